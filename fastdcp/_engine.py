@@ -1,0 +1,107 @@
+"""I/O options and the per-process native engine.
+
+The native engine owns threads and aligned buffers, so it is created lazily, once per process and
+option set, and never pickled: writers and readers carry only :class:`IoOptions` (``dcp.async_save``
+in process mode pickles the writer into another process).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from . import _C
+
+__all__ = ["IoOptions", "get_engine", "DIRECT_ALIGN"]
+
+DIRECT_ALIGN: int = int(_C.build_info()["direct_align"])
+
+_DEFAULT_TASK_BYTES = 8 << 20
+_DEFAULT_READ_BUDGET = 512 << 20
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: expected 0/1, true/false, yes/no or on/off")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected an integer") from None
+    if parsed <= 0:
+        raise ValueError(f"{name}={value!r}: must be positive")
+    return parsed
+
+
+def default_io_threads() -> int:
+    """Enough parallel requests to keep an NVMe queue busy without oversubscribing small hosts."""
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+@dataclass(frozen=True)
+class IoOptions:
+    """How a writer or reader drives the engine.
+
+    ``direct_io``: open files with O_DIRECT (per-file fallback to buffered I/O where the
+    filesystem refuses it). Environment ``FASTDCP_DIRECT_IO`` overrides the constructor default.
+    ``io_threads`` / ``task_bytes``: engine workers and the unit large requests are split into
+    (``FASTDCP_IO_THREADS`` / ``FASTDCP_TASK_BYTES``). ``memory_budget_bytes``: the most staging
+    memory a reader holds at once (``FASTDCP_READ_BUDGET_BYTES``).
+    """
+
+    direct_io: bool
+    io_threads: int
+    task_bytes: int
+    memory_budget_bytes: int
+
+    @staticmethod
+    def resolve(
+        *,
+        direct_io: bool | None,
+        default_direct_io: bool,
+        io_threads: int | None,
+        task_bytes: int | None,
+        memory_budget_bytes: int | None = None,
+    ) -> "IoOptions":
+        """Constructor arguments first, then the environment, then defaults; validates each."""
+        env_direct = _env_flag("FASTDCP_DIRECT_IO")
+        if direct_io is None:
+            direct_io = default_direct_io if env_direct is None else env_direct
+        threads = io_threads or _env_int("FASTDCP_IO_THREADS") or default_io_threads()
+        task = task_bytes or _env_int("FASTDCP_TASK_BYTES") or _DEFAULT_TASK_BYTES
+        budget = memory_budget_bytes or _env_int("FASTDCP_READ_BUDGET_BYTES") or _DEFAULT_READ_BUDGET
+        for name, value in (("io_threads", threads), ("task_bytes", task), ("memory_budget_bytes", budget)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if threads > 256:
+            raise ValueError(f"io_threads={threads} is unreasonably large (at most 256)")
+        return IoOptions(bool(direct_io), threads, task, budget)
+
+
+_engines: dict[tuple[int, int, int], "_C.Engine"] = {}
+_engines_lock = threading.Lock()
+
+
+
+def get_engine(options: IoOptions) -> "_C.Engine":
+    """The engine for these options in this process (threads do not survive fork, hence the pid)."""
+    key = (os.getpid(), options.io_threads, options.task_bytes)
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _C.Engine(options.io_threads, options.task_bytes)
+            _engines[key] = engine
+        return engine
