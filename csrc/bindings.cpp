@@ -96,6 +96,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
   });
 
   m.def("build_info", &build_info, "What the extension was compiled with.");
+  m.def("on_memory_filesystem", &fastdcp::on_memory_filesystem, py::arg("path"),
+        "True when path is on tmpfs/ramfs (O_DIRECT pointless there).");
 
   py::class_<File, std::shared_ptr<File>>(m, "File")
     .def(py::init([](const std::string& path, const std::string& mode, bool direct) {

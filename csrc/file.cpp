@@ -9,6 +9,7 @@
 #include <climits>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 #include <vector>
 
@@ -22,6 +23,15 @@ IoError::IoError(std::string op, std::string path, int64_t offset, size_t nbytes
     path_(std::move(path)),
     errno_value_(errno_value)
 {
+}
+
+bool on_memory_filesystem(const std::string& path)
+{
+  constexpr long kTmpfsMagic = 0x01021994;
+  constexpr long kRamfsMagic = 0x858458f6;
+  struct statfs st {};
+  if (::statfs(path.c_str(), &st) != 0) { return false; }
+  return static_cast<long>(st.f_type) == kTmpfsMagic || static_cast<long>(st.f_type) == kRamfsMagic;
 }
 
 FileTestHooks FileTestHooks::from_environment()

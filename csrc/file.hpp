@@ -16,6 +16,10 @@ constexpr size_t kDirectAlign = 4096;
 
 enum class OpenMode { kRead, kWriteTruncate };
 
+/// True when `path` (an existing file or directory) lives on a memory-backed filesystem (tmpfs,
+/// ramfs), where O_DIRECT buys nothing and costs a bounce copy. False when unknown.
+bool on_memory_filesystem(const std::string& path);
+
 /// Test hooks read from the environment when a file is opened, so tests can exercise fallbacks and
 /// short-transfer loops on filesystems that would never produce them:
 ///   FASTDCP_TEST_DIRECT_EINVAL=open|io  pretend O_DIRECT is refused at open / at the first I/O

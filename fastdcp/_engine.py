@@ -90,6 +90,11 @@ class IoOptions:
             raise ValueError(f"io_threads={threads} is unreasonably large (at most 256)")
         return IoOptions(bool(direct_io), threads, task, budget)
 
+    def direct_for(self, directory: str) -> bool:
+        """Whether to ask for O_DIRECT under ``directory``: never on memory-backed filesystems,
+        where it only adds a bounce copy (tmpfs accepts O_DIRECT since Linux 6.6)."""
+        return self.direct_io and not _C.on_memory_filesystem(directory)
+
 
 _engines: dict[tuple[int, int, int], "_C.Engine"] = {}
 _engines_lock = threading.Lock()

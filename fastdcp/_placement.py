@@ -202,7 +202,7 @@ def _copy_box(boxes: list[tuple], piece: Piece, src_address: int, src_holder: to
 
 
 def run_placements(engine: "_C.Engine", placements: list[Placement], planner: LoadPlanner,
-                   options: IoOptions) -> dict[str, int]:
+                   options: IoOptions, direct: bool) -> dict[str, int]:
     """Read and place every piece, then commit every item. Returns counters for benchmarks."""
     stats = {"bytes_needed": 0, "bytes_read_direct": 0, "bytes_read_staged": 0, "window_pieces": 0,
              "direct_pieces": 0, "staged_pieces": 0}
@@ -224,7 +224,7 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
             else:
                 staged.extend(_split_to_budget(piece, options.memory_budget_bytes))
     if direct_jobs:
-        engine.read(direct_jobs, options.direct_io)
+        engine.read(direct_jobs, direct)
     if boxes:
         engine.box_copy(boxes)
         boxes = []
@@ -240,7 +240,7 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
             return
         staging = torch.empty(batch_bytes, dtype=torch.uint8)
         base = staging.data_ptr()
-        engine.read([(p.file, p.span_start, base + off, p.span_nbytes) for p, off in batch], options.direct_io)
+        engine.read([(p.file, p.span_start, base + off, p.span_nbytes) for p, off in batch], direct)
         copies: list[tuple] = []
         for p, off in batch:
             _copy_box(copies, p, base + off, staging, off)

@@ -92,6 +92,7 @@ class FastFileSystemReader(FileSystemReader):
             memory_budget_bytes=memory_budget_bytes,
         )
         self.last_stats: dict[str, int] = {}
+        self._direct = False
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         stock_items: list[ReadItem] = []
@@ -113,7 +114,7 @@ class FastFileSystemReader(FileSystemReader):
     def _open(self, relative_path: str) -> _C.File:
         path = str(self.fs.concat_path(self.path, relative_path))
         try:
-            return _C.File(path, "r", self.io_options.direct_io)
+            return _C.File(path, "r", self._direct)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"checkpoint file '{path}' named in the checkpoint metadata does not exist"
@@ -121,29 +122,43 @@ class FastFileSystemReader(FileSystemReader):
 
     def _read_native(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
         engine = get_engine(self.io_options)
+        self._direct = self.io_options.direct_for(str(self.path))
         files = {rel: self._open(rel) for rel in per_file}
+        # Blobs that are valid torch.save archives but not one plain strided tensor (quantized,
+        # sparse, ...): stock's torch.load(weights_only=True) reads those items.
+        unparsed: list[tuple[ReadItem, BlobFormatError]] = []
         try:
             windows = self._read_windows(engine, files, per_file)
             placements: list[Placement] = []
             for rel, items in per_file.items():
                 file = files[rel]
-                blob_cache: dict[int, TensorBlobInfo] = {}
+                blob_cache: dict[int, TensorBlobInfo | BlobFormatError] = {}
                 for item in items:
                     info: _StorageInfo = self.storage_data[item.storage_index]
                     if item.type == LoadItemType.BYTE_IO:
-                        self._load_bytes(engine, file, windows[rel], info, item, planner)
+                        self._load_bytes(windows[rel], info, item, planner)
                         continue
                     blob = blob_cache.get(info.offset)
                     if blob is None:
-                        blob = self._parse_blob(engine, file, windows[rel], info)
+                        try:
+                            blob = self._parse_blob(engine, file, windows[rel], info)
+                        except BlobFormatError as error:
+                            blob = error
                         blob_cache[info.offset] = blob
+                    if isinstance(blob, BlobFormatError):
+                        unparsed.append((item, blob))
+                        continue
                     target = planner.resolve_tensor(item).detach()
                     placements.append(plan_placement(item, info, blob, target, file, windows[rel]))
-            stats = run_placements(engine, placements, planner, self.io_options)
-            self.last_stats = stats
+            self.last_stats = run_placements(engine, placements, planner, self.io_options, self._direct)
         finally:
             for f in files.values():
                 f.close()
+        if unparsed:
+            try:
+                super().read_data(LoadPlan([item for item, _ in unparsed]), planner).wait()
+            except BaseException as stock_error:  # CheckpointException is a BaseException
+                raise unparsed[0][1] from stock_error
 
     def _read_windows(
         self, engine: _C.Engine, files: dict[str, _C.File], per_file: dict[str, list[ReadItem]]
@@ -180,7 +195,7 @@ class FastFileSystemReader(FileSystemReader):
                 if buffer:
                     jobs.append((files[rel], start, tensor.data_ptr(), end - start))
             windows[rel] = file_windows
-        engine.read(jobs, self.io_options.direct_io)
+        engine.read(jobs, self._direct)
         return windows
 
     def _parse_blob(self, engine: _C.Engine, file: _C.File, windows: list[_Window], info: _StorageInfo) -> TensorBlobInfo:
@@ -205,7 +220,7 @@ class FastFileSystemReader(FileSystemReader):
         except EOFError as e:
             raise BlobFormatError(f"{file.path}: truncated tensor blob at offset {start}: {e}") from None
 
-    def _load_bytes(self, engine, file, windows, info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> None:
+    def _load_bytes(self, windows: list[_Window], info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> None:
         data = _window_bytes(windows, info.offset, info.offset + info.length)
         planner.load_bytes(item, io.BytesIO(data))
 

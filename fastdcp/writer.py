@@ -48,6 +48,9 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+_UNLOADABLE_DTYPES = frozenset(d for d in (getattr(torch, "quint4x2", None), getattr(torch, "quint2x4", None)) if d)
+
+
 def _is_plain_dense(tensor: torch.Tensor) -> bool:
     """Tensors whose bytes we can describe with one dtype/shape blob (everything torch.save stores
     as a single strided storage); anything else keeps stock's torch.save serialization."""
@@ -122,7 +125,8 @@ class FastFileSystemWriter(FileSystemWriter):
 
     fastdcp's own keyword arguments:
         direct_io: write with O_DIRECT where the filesystem allows it (default True; environment
-            ``FASTDCP_DIRECT_IO``). Network filesystems are often faster buffered.
+            ``FASTDCP_DIRECT_IO``; never on tmpfs/ramfs). Network filesystems are often faster
+            buffered.
         io_threads: engine worker threads (default ``min(8, cpus)``, at least 2).
         task_bytes: the unit large writes are split into (default 8 MiB).
     """
@@ -210,6 +214,12 @@ class FastFileSystemWriter(FileSystemWriter):
         data = planner.resolve_data(item)
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"tensor item {item.index.fqn} resolved to {type(data).__name__}, not a Tensor")
+        if data.dtype in _UNLOADABLE_DTYPES:
+            # torch cannot copy_ these into a destination, so no DCP reader could load them back.
+            raise TypeError(
+                f"{item.index.fqn}: dtype {data.dtype} cannot be checkpointed with DCP (torch has no copy "
+                "kernel for it, so it could not be loaded; stock FileSystemWriter refuses it as well)"
+            )
         if _is_plain_dense(data):
             file_plan.append_tensor(item, storage_key, _tensor_for_writing(data))
         else:
@@ -223,10 +233,11 @@ class FastFileSystemWriter(FileSystemWriter):
     def _write_files(self, files: list[_FilePlan]) -> None:
         engine = get_engine(self.io_options)
         handles: list[_C.File] = []
+        direct = self.io_options.direct_for(str(self.path))
         try:
             jobs = []
             for f in files:
-                handle = _C.File(f.path, "w", self.io_options.direct_io)
+                handle = _C.File(f.path, "w", direct)
                 handles.append(handle)
                 handle.allocate(f.size)
                 jobs.append((handle, 0, f.size, f.segments))
