@@ -80,9 +80,12 @@ class IoOptions:
         env_direct = _env_flag("FASTDCP_DIRECT_IO")
         if direct_io is None:
             direct_io = default_direct_io if env_direct is None else env_direct
-        threads = io_threads or _env_int("FASTDCP_IO_THREADS") or default_io_threads()
-        task = task_bytes or _env_int("FASTDCP_TASK_BYTES") or _DEFAULT_TASK_BYTES
-        budget = memory_budget_bytes or _env_int("FASTDCP_READ_BUDGET_BYTES") or _DEFAULT_READ_BUDGET
+        def first_given(*values: int | None) -> int | None:
+            return next((v for v in values if v is not None), None)
+
+        threads = first_given(io_threads, _env_int("FASTDCP_IO_THREADS"), default_io_threads())
+        task = first_given(task_bytes, _env_int("FASTDCP_TASK_BYTES"), _DEFAULT_TASK_BYTES)
+        budget = first_given(memory_budget_bytes, _env_int("FASTDCP_READ_BUDGET_BYTES"), _DEFAULT_READ_BUDGET)
         for name, value in (("io_threads", threads), ("task_bytes", task), ("memory_budget_bytes", budget)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

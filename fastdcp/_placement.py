@@ -205,7 +205,7 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
                    options: IoOptions, direct: bool) -> dict[str, int]:
     """Read and place every piece, then commit every item. Returns counters for benchmarks."""
     stats = {"bytes_needed": 0, "bytes_read_direct": 0, "bytes_read_staged": 0, "window_pieces": 0,
-             "direct_pieces": 0, "staged_pieces": 0}
+             "direct_pieces": 0, "staged_pieces": 0, "staging_batches": 0, "max_staging_bytes": 0}
     boxes: list[tuple] = []
     direct_jobs = []
     staged: list[Piece] = []
@@ -239,6 +239,8 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
         if not batch:
             return
         staging = torch.empty(batch_bytes, dtype=torch.uint8)
+        stats["staging_batches"] += 1
+        stats["max_staging_bytes"] = max(stats["max_staging_bytes"], batch_bytes)
         base = staging.data_ptr()
         engine.read([(p.file, p.span_start, base + off, p.span_nbytes) for p, off in batch], direct)
         copies: list[tuple] = []
