@@ -6,7 +6,7 @@ tensor's layout (parsed from its blob) the box covers one byte span of the file.
 
 - ``window``: the span already sits in memory from the header pass (small blobs): copy only;
 - ``direct``: the span maps 1:1 onto a contiguous destination of the same dtype: read into it;
-- ``staged``: read into staging memory, then copy the box (strided, converting the dtype).
+- ``staged``: read into staging memory, then copy the box (strided; dtype conversion by torch).
 
 Staging memory is bounded by ``IoOptions.memory_budget_bytes``: pieces are read in batches that fit,
 and a piece larger than the budget is first split along its outer dimensions.
@@ -27,28 +27,10 @@ from ._engine import IoOptions
 
 __all__ = ["Piece", "Placement", "plan_placement", "run_placements"]
 
-# Values of c10::ScalarType understood by the native box copy (csrc/box_copy.hpp); others are raw.
-_SCALAR_KIND = {
-    torch.uint8: 0,
-    torch.int8: 1,
-    torch.int16: 2,
-    torch.int32: 3,
-    torch.int64: 4,
-    torch.float16: 5,
-    torch.float32: 6,
-    torch.float64: 7,
-    torch.complex64: 9,
-    torch.complex128: 10,
-    torch.bool: 11,
-    torch.bfloat16: 15,
-}
+# Raw elements for the native box copy (csrc/box_copy.hpp ScalarKind::kRawBytes): a byte copy.
 _RAW = -1
-_CONVERTIBLE = {0, 1, 2, 3, 4, 5, 6, 7, 11, 15}
+_MAX_BOX_DIMS = 8
 _STAGING_ALIGN = 64
-
-
-def _kind(dtype: torch.dtype) -> int:
-    return _SCALAR_KIND.get(dtype, _RAW)
 
 
 @dataclass
@@ -179,20 +161,22 @@ def _split_to_budget(piece: Piece, budget: int) -> list[Piece]:
 
 
 def _copy_box(boxes: list[tuple], piece: Piece, src_address: int, src_holder: torch.Tensor, src_offset: int) -> None:
-    """Queue a native box copy, or copy now with torch where the native copy does not apply."""
+    """Queue a native box copy (same dtype, CPU destination), or copy now with ``Tensor.copy_``.
+
+    Dtype conversions use torch's own ``copy_``, exactly what the stock reader does: torch's
+    results for NaN payloads differ between its vectorised and scalar paths, so only torch itself
+    reproduces stock bit for bit."""
     dest = piece.dest
-    src_kind, dst_kind = _kind(piece.src_dtype), _kind(dest.dtype)
     native = (
         dest.device.type == "cpu"
+        and dest.dtype == piece.src_dtype
         and not dest.is_conj()
         and not dest.is_neg()
-        and (piece.src_dtype == dest.dtype or (src_kind in _CONVERTIBLE and dst_kind in _CONVERTIBLE))
-        and len(piece.shape) <= 8
+        and len(piece.shape) <= _MAX_BOX_DIMS
     )
     if native:
-        boxes.append((src_address, dest.data_ptr(), src_kind if piece.src_dtype != dest.dtype else _RAW,
-                       dst_kind if piece.src_dtype != dest.dtype else _RAW,
-                       piece.src_dtype.itemsize, dest.element_size(), piece.shape, piece.src_stride, dest.stride()))
+        size = piece.src_dtype.itemsize
+        boxes.append((src_address, dest.data_ptr(), _RAW, _RAW, size, size, piece.shape, piece.src_stride, dest.stride()))
         return
     raw = src_holder[src_offset : src_offset + piece.span_nbytes]
     if src_address % piece.src_dtype.itemsize:
