@@ -321,11 +321,47 @@ bool is_convertible_kind(int32_t kind)
 // Box walking
 // ---------------------------------------------------------------------------------------------
 
+/// Side of the square tiles a transposing copy walks: 32 rows keep the 32 source cache lines a
+/// tile column touches resident until every element of them has been used.
+constexpr int64_t kTransposeTile = 32;
+
+/// True for a 2-D box that walks the source faster along the outer dim than along the inner one
+/// (for example a stored `x.T` loaded into a contiguous tensor): its row-by-row walk would touch a
+/// new source cache line for every element.
+bool is_transposing(const BoxCopy& box)
+{
+  return box.ndim == 2 && box.src_stride[0] < box.src_stride[1];
+}
+
+/// Copies whole rows [first_row, end_row) of a transposing 2-D box tile by tile.
+void copy_rows_tiled(const BoxCopy& box, RunCopier copy_run, int64_t first_row, int64_t end_row)
+{
+  const auto* src = static_cast<const std::byte*>(box.src);
+  auto* dst = static_cast<std::byte*>(box.dst);
+  const int64_t row_length = box.shape[1];
+  for (int64_t tile_row = first_row; tile_row < end_row; tile_row += kTransposeTile) {
+    const int64_t tile_end_row = std::min(end_row, tile_row + kTransposeTile);
+    for (int64_t column = 0; column < row_length; column += kTransposeTile) {
+      const int64_t n = std::min(kTransposeTile, row_length - column);
+      for (int64_t row = tile_row; row < tile_end_row; ++row) {
+        copy_run(src + (row * box.src_stride[0] + column * box.src_stride[1]) * box.src_elem_size,
+                 box.src_stride[1],
+                 dst + (row * box.dst_stride[0] + column * box.dst_stride[1]) * box.dst_elem_size,
+                 box.dst_stride[1], n, box.src_elem_size);
+      }
+    }
+  }
+}
+
 /// Copies elements [begin, end) of a simplified box (row-major element order of its dims).
 void copy_box_range(const BoxCopy& box, RunCopier copy_run, int64_t begin, int64_t end)
 {
   const int last = box.ndim - 1;
   const int64_t row_length = box.shape[last];
+  if (is_transposing(box) && begin % row_length == 0 && end % row_length == 0) {
+    copy_rows_tiled(box, copy_run, begin / row_length, end / row_length);
+    return;
+  }
   int64_t row = begin / row_length;
   int64_t column = begin % row_length;
 
@@ -375,11 +411,16 @@ struct Segment {
 
 /// Elements per piece when a box larger than `grain_bytes` is split: whole rows when rows are
 /// shorter than a piece (so pieces start at row starts), otherwise a multiple of 64 elements.
+/// Transposing boxes always get whole tiles of rows, so that every piece can be walked tile by tile.
 int64_t piece_elements(const BoxCopy& box, int64_t bytes_per_element, size_t grain_bytes)
 {
   const int64_t per_piece =
     std::max<int64_t>(1, static_cast<int64_t>(grain_bytes) / bytes_per_element);
   const int64_t row_length = box.shape[box.ndim - 1];
+  if (is_transposing(box)) {
+    const int64_t rows = std::max<int64_t>(1, per_piece / row_length / kTransposeTile) * kTransposeTile;
+    return rows * row_length;
+  }
   if (row_length <= per_piece) { return per_piece / row_length * row_length; }
   return std::max<int64_t>(64, per_piece / 64 * 64);
 }

@@ -146,9 +146,10 @@ FASTDCP_HD void convert_elements_to(int32_t to, const char* src, int64_t src_str
 
 /// Converts `n` elements of one row; `from`/`to` are ScalarKind values (block-uniform switch).
 /// Kept out of line so that its register needs do not weigh on the byte-copy paths.
-__host__ __device__ __noinline__ void convert_row(int32_t from, int32_t to, const char* src, int64_t src_stride,
-                            bool src_aligned, char* dst, int64_t dst_stride, bool dst_aligned,
-                            int64_t n, int rank, int group)
+__host__ __device__ __noinline__ void convert_row(int32_t from, int32_t to, const char* src,
+                                                  int64_t src_stride, bool src_aligned, char* dst,
+                                                  int64_t dst_stride, bool dst_aligned, int64_t n,
+                                                  int rank, int group)
 {
 #define FASTDCP_CONVERT_FROM(KIND, ELEMENT)                                                  \
   case static_cast<int32_t>(ScalarKind::KIND):                                             \
@@ -179,7 +180,8 @@ __host__ __device__ __noinline__ void convert_row(int32_t from, int32_t to, cons
 /// to the first Word-aligned destination address, whole words, then the tail. Precondition: src and
 /// dst have the same misalignment modulo sizeof(Word).
 template <typename Word>
-FASTDCP_HD void copy_contiguous_words(const char* src, char* dst, int64_t nbytes, int rank, int group)
+FASTDCP_HD void copy_contiguous_words(const char* src, char* dst, int64_t nbytes, int rank,
+                                      int group)
 {
   constexpr int64_t kWord = sizeof(Word);
   const int64_t head =
@@ -207,14 +209,15 @@ FASTDCP_HD void copy_contiguous_words(const char* src, char* dst, int64_t nbytes
   for (; i < words; i += group) {
     dst_words[i] = src_words[i];
   }
-  for (int64_t i = head + words * kWord + rank; i < nbytes; i += group) {
-    dst[i] = src[i];
+  for (int64_t b = head + words * kWord + rank; b < nbytes; b += group) {
+    dst[b] = src[b];
   }
 }
 
 /// Contiguous byte copy: the widest access (16 bytes in the common case) that the relative
 /// alignment of src and dst allows. Out of line, so its loops get registers of their own.
-__host__ __device__ __noinline__ void copy_contiguous(const char* src, char* dst, int64_t nbytes, int rank, int group)
+__host__ __device__ __noinline__ void copy_contiguous(const char* src, char* dst, int64_t nbytes,
+                                                      int rank, int group)
 {
   const uintptr_t misalignment = reinterpret_cast<uintptr_t>(src) ^ reinterpret_cast<uintptr_t>(dst);
   if ((misalignment & 15) == 0) {
@@ -248,8 +251,9 @@ FASTDCP_HD void copy_strided_words(const char* src, int64_t src_step, char* dst,
 
 /// Same-kind copy of a row whose elements are not adjacent on at least one side (out of line, as
 /// convert_row).
-__host__ __device__ __noinline__ void copy_strided(const char* src, int64_t src_stride, char* dst, int64_t dst_stride,
-                             int64_t n, int32_t elem_size, int rank, int group)
+__host__ __device__ __noinline__ void copy_strided(const char* src, int64_t src_stride, char* dst,
+                                                   int64_t dst_stride, int64_t n, int32_t elem_size,
+                                                   int rank, int group)
 {
   const int64_t src_step = src_stride * elem_size;
   const int64_t dst_step = dst_stride * elem_size;
