@@ -193,10 +193,13 @@ void File::allocate(int64_t size)
   if (size <= 0) { return; }
   int rc;
   do {
-    rc = ::fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, size);
+    rc = ::fallocate(fd_, 0, 0, size);
   } while (rc != 0 && errno == EINTR);
-  // Preallocation only avoids fragmentation; filesystems without it are fine. ENOSPC is real.
-  if (rc != 0 && errno == ENOSPC) { throw IoError("fallocate", path_, 0, static_cast<size_t>(size), errno); }
+  if (rc == 0) { return; }
+  if (errno == ENOSPC) { throw IoError("fallocate", path_, 0, static_cast<size_t>(size), errno); }
+  // No fallocate here: still set the size, so that parallel writes are overwrites rather than
+  // appends (ext4 serialises O_DIRECT writes that extend a file).
+  if (this->size() < size) { truncate(size); }
 }
 
 void File::sync(bool data_only)

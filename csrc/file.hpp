@@ -57,7 +57,9 @@ class File {
 
   /// Sets the file size (ftruncate).
   void truncate(int64_t size);
-  /// Reserves `size` bytes of blocks (fallocate, keeping the size); a no-op where unsupported.
+  /// Reserves blocks for the first `size` bytes and makes the file at least that long (fallocate,
+  /// or ftruncate where fallocate is unsupported), so that later writes never extend the file:
+  /// ext4 serialises extending O_DIRECT writes. Throws IoError on ENOSPC.
   void allocate(int64_t size);
   /// fsync, or fdatasync when `data_only`.
   void sync(bool data_only);

@@ -47,8 +47,9 @@ def _env_int(name: str) -> int | None:
 
 
 def default_io_threads() -> int:
-    """Enough parallel requests to keep an NVMe queue busy without oversubscribing small hosts."""
-    return max(2, min(8, os.cpu_count() or 2))
+    """Enough requests in flight to keep a device queue busy (workers mostly wait on I/O, so even a
+    2-core host wants 4), without oversubscribing large hosts."""
+    return max(4, min(8, os.cpu_count() or 4))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from torch.futures import Future
 
 from . import _C
 from ._blob import ZIP_ALIGN, tensor_blob_layout
-from ._engine import IoOptions, get_engine
+from ._engine import DIRECT_ALIGN, IoOptions, get_engine
 
 try:  # torch >= 2.7
     from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -127,7 +127,7 @@ class FastFileSystemWriter(FileSystemWriter):
         direct_io: write with O_DIRECT where the filesystem allows it (default True; environment
             ``FASTDCP_DIRECT_IO``; never on tmpfs/ramfs). Network filesystems are often faster
             buffered.
-        io_threads: engine worker threads (default ``min(8, cpus)``, at least 2).
+        io_threads: engine worker threads (default ``min(8, cpus)``, at least 4).
         task_bytes: the unit large writes are split into (default 8 MiB).
     """
 
@@ -239,7 +239,8 @@ class FastFileSystemWriter(FileSystemWriter):
             for f in files:
                 handle = _C.File(f.path, "w", direct)
                 handles.append(handle)
-                handle.allocate(f.size)
+                # Allocate up to the padded end so no O_DIRECT write extends the file.
+                handle.allocate(-(-f.size // DIRECT_ALIGN) * DIRECT_ALIGN)
                 jobs.append((handle, 0, f.size, f.segments))
             engine.write(jobs)
             for f, handle in zip(files, handles):

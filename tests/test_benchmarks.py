@@ -1,0 +1,145 @@
+"""Tests of the benchmark harness (benchmarks/) on tiny sizes.
+
+When fastdcp does not import (e.g. before the extension is built), the harness runs with
+FASTDCP_BENCH_STANDIN=1 (stock classes standing in for fastdcp), so that these tests check the
+harness itself; test_missing_fastdcp_fails_loudly checks that a default run refuses that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.config import parse_size
+from benchmarks.runner import EXIT_NO_FASTDCP, EXIT_VERIFY, main
+from benchmarks.state import (VerificationError, build_destination, build_state, clone_state,
+                              corrupt_one_byte, fill_box, llm_like_spec, make_tensor, verify_state)
+from benchmarks.systems import STANDIN_ENV, FastDCPUnavailable, resolve_systems
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Tiny run: 4 MiB state, 50 small tensors, 32 MiB storage probes, one repeat, cold loads by
+# posix_fadvise (a global drop_caches would make every process on the machine re-read its code).
+TINY = ["--quick", "--size", "4MiB", "--repeats", "1", "--small-count", "50", "--probe-size", "32MiB",
+        "--reshard-size", "2MiB", "--no-shm", "--cold", "fadvise_dontneed"]
+
+
+def _fastdcp_imports() -> bool:
+    try:
+        import fastdcp  # noqa: F401
+
+        return hasattr(fastdcp, "FastFileSystemWriter") and hasattr(fastdcp, "FastFileSystemReader")
+    except Exception:
+        return False
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(STANDIN_ENV, None)
+    if not _fastdcp_imports():
+        env[STANDIN_ENV] = "1"
+    return env
+
+
+@pytest.fixture
+def standin_if_needed(monkeypatch):
+    monkeypatch.delenv(STANDIN_ENV, raising=False)
+    if not _fastdcp_imports():
+        monkeypatch.setenv(STANDIN_ENV, "1")
+
+
+def test_harness_runs_and_reports_both_systems_and_limits(tmp_path):
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *TINY, "--scenarios", "save,load,reshard,small",
+         "--systems", "stock,fastdcp", "--dir", str(tmp_path), "--json", str(out)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads(out.read_text())
+
+    assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["torch"] == torch.__version__
+    assert doc["machine"]["targets"]["dir"]["fstype"]
+    lim = doc["limits"]
+    assert lim["memcpy_gibps"] > 0
+    assert lim["storage"]["dir"]["write_gibps"] > 0 and lim["storage"]["dir"]["read_gibps"] > 0
+    assert lim["storage"]["dir"]["method"]
+
+    results = doc["results"]
+    for scenario in ("save", "load", "reshard", "small"):
+        systems = {r["system"] for r in results if r["scenario"] == scenario}
+        assert {"stock", "fastdcp"} <= systems, (scenario, systems)
+    for r in results:
+        assert set(r) >= {"scenario", "system", "config", "where", "bytes", "seconds", "gibps",
+                          "ratio_vs_stock", "fraction_of_limit"}
+        assert r["system"] in ("stock", "stock_best", "fastdcp")
+        assert r["bytes"] > 0 and r["seconds"] and all(s > 0 for s in r["seconds"])
+        assert r["gibps"] > 0 and r["ratio_vs_stock"] > 0
+        assert r["fraction_of_limit"] is not None and r["fraction_of_limit"] > 0
+        if r["system"] == "stock":
+            assert r["ratio_vs_stock"] == pytest.approx(1.0)
+    layouts = {r["config"].get("layout") for r in results if r["scenario"] == "reshard"}
+    assert {"Shard(0)@2->Shard(1)@2", "Shard(0)@2->Shard(0)@4"} <= layouts
+    assert "vs stock" in proc.stdout and "of limit" in proc.stdout
+    assert not list(tmp_path.glob("fastdcp_bench_*")), "temp checkpoints were not removed"
+
+
+def test_corrupted_load_fails_loudly(tmp_path, capsys, standin_if_needed):
+    rc = main([*TINY, "--scenarios", "load", "--systems", "stock,fastdcp", "--dir", str(tmp_path),
+               "--corrupt-after-load", "fastdcp"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_VERIFY, err[-3000:]
+    assert "NOT bit-exact" in err and "fastdcp" in err
+    assert not list(tmp_path.glob("fastdcp_bench_*"))
+
+
+def test_corrupted_reshard_load_fails_loudly(tmp_path, capsys, standin_if_needed):
+    # the byte is flipped inside a rank after its load; the ranks agree and the run fails
+    rc = main([*TINY, "--scenarios", "reshard", "--systems", "stock", "--dir", str(tmp_path),
+               "--corrupt-after-load", "stock"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_VERIFY, err[-3000:]
+    assert "NOT bit-exact" in err and "reshard" in err
+
+
+def test_missing_fastdcp_fails_loudly(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv(STANDIN_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "fastdcp", None)  # makes `import fastdcp` raise ImportError
+    with pytest.raises(FastDCPUnavailable):
+        resolve_systems(["stock", "fastdcp"])
+    assert main([*TINY, "--dir", str(tmp_path)]) == EXIT_NO_FASTDCP
+    assert "fastdcp is not importable" in capsys.readouterr().err
+
+
+def test_verification_catches_one_flipped_byte_and_untouched_destinations():
+    spec = llm_like_spec(1 << 20, norms=4)
+    src = build_state(spec)
+    loaded = clone_state(src)
+    verify_state(src, loaded, "identical")
+    corrupt_one_byte(loaded)
+    with pytest.raises(VerificationError, match="differs"):
+        verify_state(src, loaded, "corrupted")
+    with pytest.raises(VerificationError):  # a load that wrote nothing
+        verify_state(src, build_destination(spec), "untouched")
+
+
+def test_fill_box_matches_the_full_tensor():
+    spec = next(t for t in llm_like_spec(1 << 20).tensors if t.shardable)
+    full = make_tensor(spec)
+    rows, cols = spec.shape
+    col_box = fill_box(torch.empty(rows, cols // 2, dtype=spec.dtype), spec, (0, cols // 2))
+    row_box = fill_box(torch.empty(rows // 4, cols, dtype=spec.dtype), spec, (rows // 4, 0))
+    assert torch.equal(col_box.view(torch.int16), full[:, cols // 2:].contiguous().view(torch.int16))
+    assert torch.equal(row_box.view(torch.int16), full[rows // 4: rows // 2].view(torch.int16))
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("256MiB") == 256 << 20
+    assert parse_size("1.5K") == 1536
+    assert parse_size("4096") == 4096
