@@ -143,3 +143,51 @@ def test_parse_size():
     assert parse_size("256MiB") == 256 << 20
     assert parse_size("1.5K") == 1536
     assert parse_size("4096") == 4096
+
+
+_FAKE_FIO = r'''#!{python}
+import json, os, sys
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+if args.get("direct") == "1" and os.environ.get("FAKE_FIO_NO_DIRECT"):
+    print("fio: O_DIRECT not supported", file=sys.stderr)
+    sys.exit(1)
+with open(args["filename"], "ab") as f:
+    f.truncate(1 << 20)
+rw = args["rw"]
+bw = (1 << 30) * (3 if rw == "write" else 5) * (2 if args.get("direct") == "1" else 1)
+print("note: a line fio prints before its JSON")
+print(json.dumps({{"jobs": [{{rw: {{"bw_bytes": bw}}}}]}}))
+'''
+
+
+@pytest.mark.parametrize("no_direct", [False, True])
+def test_fio_probe_parses_json_and_falls_back_to_buffered(tmp_path, monkeypatch, no_direct):
+    from benchmarks.limits import probe_storage
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fio = bindir / "fio"
+    fio.write_text(_FAKE_FIO.format(python=sys.executable))
+    fio.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    if no_direct:
+        monkeypatch.setenv("FAKE_FIO_NO_DIRECT", "1")
+    data = tmp_path / "data"
+    data.mkdir()
+    lim = probe_storage(str(data), 8 << 20, [(1 << 20, 2)], method="auto")
+    scale = 1 if no_direct else 2
+    assert lim.write_gibps == pytest.approx(3 * scale) and lim.read_gibps == pytest.approx(5 * scale)
+    assert ("direct=0" in lim.method) == no_direct and "fio" in lim.method
+    assert not list(data.iterdir()), "probe file left behind"
+
+
+def test_python_probe_and_limit_keys(tmp_path):
+    from benchmarks.limits import Limits, probe_storage
+
+    lim = probe_storage(str(tmp_path), 8 << 20, [(1 << 20, 2)], method="python")
+    assert lim.write_gibps > 0 and lim.read_gibps > 0 and "python" in lim.method
+    limits = Limits(memcpy_gibps=4.0, memcpy_methods={}, storage={"dir": lim})
+    assert limits.value("memcpy") == 4.0
+    assert limits.value("write:dir") == lim.write_gibps
+    assert limits.value("min(memcpy,read:dir)") == min(4.0, lim.read_gibps)
+    assert limits.value("h2d") is None and limits.value("read:nowhere") is None

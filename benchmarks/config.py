@@ -1,0 +1,170 @@
+"""Command line and run configuration."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .systems import SYSTEM_NAMES, standin_requested
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+CPU_SCENARIOS = ("save", "load", "reshard", "small", "async")
+GPU_SCENARIOS = ("gpu_save", "gpu_load")
+ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS
+QUICK_SCENARIOS = ("save", "load", "reshard", "small")
+
+_UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
+          "g": GiB, "gb": GiB, "gib": GiB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '256MiB', '1.5G', '4096' -> bytes (binary units; 'GB' is treated as GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 256MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_size(n: int) -> str:
+    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= f:
+            return f"{n / f:.4g} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class BenchConfig:
+    quick: bool = False
+    size: int = 2 * GiB
+    dir: str | None = None                  # parent for the temp target dir (default ./bench_out)
+    shm: bool = True                        # also benchmark /dev/shm when present
+    scenarios: list[str] = field(default_factory=lambda: list(CPU_SCENARIOS))
+    systems: list[str] = field(default_factory=lambda: list(SYSTEM_NAMES))
+    repeats: int = 3
+    json_path: str | None = None
+    plot_path: str | None = None
+    checkpoint: str | None = None           # existing checkpoint: load scenarios only
+    small_count: int = 5000
+    small_bytes: int = 1 * KiB
+    small_large_count: int = 4
+    small_large_bytes: int = 64 * MiB
+    reshard_size: int = 2 * GiB
+    reshard_norms: int = 300                # replicated norm vectors in the reshard state
+    small_repeats: int | None = None        # None: --repeats
+    reshard_wheres: list[str] = field(default_factory=lambda: ["dir", "shm"])
+    small_wheres: list[str] = field(default_factory=lambda: ["dir", "shm"])
+    probe_bytes: int = 1 * GiB
+    probe_configs: list[tuple[int, int]] = field(
+        default_factory=lambda: [(1 * MiB, 1), (1 * MiB, 4), (8 * MiB, 1), (8 * MiB, 4)])
+    probe_method: str = "auto"              # auto (fio if installed) | fio | python
+    memcpy_bytes: int = 1 * GiB
+    cold_method: str = "auto"               # auto | drop_caches | fadvise_dontneed | none
+    keep: bool = False
+    standin: bool = False
+    corrupt_after_load: str | None = None   # test hook: flip a byte after this system's loads
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="fastdcp vs stock torch.distributed.checkpoint storage benchmarks. "
+                    "Every load is verified bit-exact; a mismatch exits with status 3.")
+    p.add_argument("--quick", action="store_true",
+                   help="scenarios save,load,reshard,small (+gpu_* with CUDA) at 256MiB, 2 repeats "
+                        "(small: 1), reshard on /dev/shm only at 64MiB, small on --dir only "
+                        "(~1.5-2 min on 2 cores)")
+    p.add_argument("--size", type=parse_size, help="state dict size (default 2GiB, quick 256MiB)")
+    p.add_argument("--dir", help="directory on the storage to test; a temp dir is made inside it "
+                                 "and removed afterwards (default ./bench_out)")
+    p.add_argument("--no-shm", action="store_true", help="do not benchmark /dev/shm as well")
+    p.add_argument("--scenarios", type=_csv,
+                   help=f"comma list from {','.join(ALL_SCENARIOS)} (gpu_* need CUDA)")
+    p.add_argument("--systems", type=_csv, help=f"comma list from {','.join(SYSTEM_NAMES)} (default all)")
+    p.add_argument("--repeats", type=int, help="runs per system and case, interleaved (default 3, quick 2)")
+    p.add_argument("--json", dest="json_path", help="write results as JSON here")
+    p.add_argument("--plot", dest="plot_path", help="write a bar chart (PNG) here; needs matplotlib")
+    p.add_argument("--checkpoint", help="an existing DCP checkpoint directory: run load scenarios "
+                                        "on it only (verified against the stock reader)")
+    p.add_argument("--small-count", type=int, help="number of tiny tensors in `small` (default 5000)")
+    p.add_argument("--small-bytes", type=parse_size, help="bytes per tiny tensor (default 1KiB)")
+    p.add_argument("--reshard-size", type=parse_size,
+                   help="state size for `reshard` (default --size; quick: --size/4 with 32 instead "
+                        "of 300 norm vectors)")
+    p.add_argument("--probe-size", type=parse_size,
+                   help="bytes per raw storage probe run (default --size clamped to 256MiB..1GiB; quick 256MiB)")
+    p.add_argument("--probe", dest="probe_method", choices=("auto", "fio", "python"), default="auto",
+                   help="raw storage probe: fio when installed (auto), or the python O_DIRECT probe")
+    p.add_argument("--cold", dest="cold_method", default="auto",
+                   choices=("auto", "drop_caches", "fadvise_dontneed", "none"),
+                   help="how to make the page cache cold for cold loads (auto: drop_caches when "
+                        "permitted, else posix_fadvise DONTNEED per file)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    p.add_argument("--corrupt-after-load", help=argparse.SUPPRESS)  # test hook
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> BenchConfig:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    c = BenchConfig(quick=a.quick)
+    if a.quick:
+        c.size = 256 * MiB
+        c.repeats = 2
+        c.scenarios = list(QUICK_SCENARIOS)
+        c.reshard_wheres = ["shm"]
+        c.reshard_norms = 32
+        c.small_repeats = 1
+        c.small_wheres = ["dir"]
+        c.probe_bytes = 256 * MiB
+        c.probe_configs = [(8 * MiB, 1), (1 * MiB, 4)]
+        c.memcpy_bytes = 256 * MiB
+        if torch.cuda.is_available():
+            c.scenarios += list(GPU_SCENARIOS)
+    elif torch.cuda.is_available():
+        c.scenarios = list(ALL_SCENARIOS)
+    if a.size is not None:
+        c.size = a.size
+    c.reshard_size = a.reshard_size if a.reshard_size else (c.size // 4 if a.quick else c.size)
+    c.small_large_bytes = max(64 * KiB, min(64 * MiB, c.size // 16))
+    c.probe_bytes = max(64 * MiB, min(c.probe_bytes, max(c.size, 256 * MiB)))
+    c.memcpy_bytes = max(16 * MiB, min(c.memcpy_bytes, c.size))
+    if a.probe_size is not None:
+        c.probe_bytes = a.probe_size
+    if a.scenarios:
+        bad = [s for s in a.scenarios if s not in ALL_SCENARIOS]
+        if bad:
+            parser.error(f"unknown scenario(s) {bad}; choose from {','.join(ALL_SCENARIOS)}")
+        c.scenarios = a.scenarios
+    if a.systems:
+        bad = [s for s in a.systems if s not in SYSTEM_NAMES]
+        if bad:
+            parser.error(f"unknown system(s) {bad}; choose from {','.join(SYSTEM_NAMES)}")
+        c.systems = a.systems
+    if a.repeats is not None:
+        if a.repeats < 1:
+            parser.error("--repeats must be >= 1")
+        c.repeats = a.repeats
+        c.small_repeats = None
+    if a.small_count is not None:
+        c.small_count = a.small_count
+    if a.small_bytes is not None:
+        c.small_bytes = a.small_bytes
+    c.dir, c.shm = a.dir, not a.no_shm
+    c.json_path, c.plot_path, c.checkpoint = a.json_path, a.plot_path, a.checkpoint
+    c.probe_method, c.cold_method, c.keep = a.probe_method, a.cold_method, a.keep
+    c.corrupt_after_load = a.corrupt_after_load
+    c.standin = standin_requested()
+    if c.checkpoint:
+        if a.scenarios and a.scenarios != ["load"]:
+            parser.error("--checkpoint runs the load scenario only")
+        c.scenarios = ["load"]
+        c.shm = False  # nothing is written; /dev/shm would only be probed
+    return c

@@ -1,0 +1,170 @@
+"""Terminal table, JSON file and optional bar chart."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from .limits import Limits
+from .results import Result
+
+LIMIT_POLICY = (
+    "fraction of limit = median GiB/s / a limit measured in this run: save, small save, async "
+    "'durable' and reshard save -> raw sequential write (incl. fsync) of that target; cold load "
+    "-> raw sequential read of that target; warm load, small load, async 'call returned' and "
+    "everything on tmpfs (/dev/shm) -> memory copy (best method); gpu_save -> min(pinned D2H, "
+    "write); gpu_load -> min(pinned H2D, memory copy).")
+UNITS = "GiB/s = tensor payload bytes / wall time (GiB = 2^30); median [min-max] over repeats."
+
+
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def header_lines(machine: dict[str, Any], limits: Limits | None, cold_method: str | None,
+                 notes: list[str], standin: bool) -> list[str]:
+    m = machine
+    lines = [
+        f"machine: {m.get('cpu_model')} | {m.get('cpu_affinity') or m.get('cpu_count')} cores | "
+        f"{m.get('ram_gib')} GiB RAM | kernel {m.get('kernel')} | torch {m.get('torch')} | "
+        f"python {m.get('python')}",
+    ]
+    for g in m.get("gpus") or []:
+        lines.append(f"gpu {g['index']}: {g['name']} {g['memory_gib']} GiB, PCIe {g.get('pcie_link')}")
+    for w, t in (m.get("targets") or {}).items():
+        lines.append(f"target {w:<10} {t['path']} ({t['fstype']} on {t['device']})")
+    if limits:
+        for w, s in limits.storage.items():
+            lines.append(f"limit  {w:<10} write {s.write_gibps:.2f} GiB/s, read {s.read_gibps:.2f} GiB/s "
+                         f"[{s.method}; {s.bytes >> 20} MiB], page-cache read "
+                         f"{_f(s.page_cache_read_gibps)} GiB/s{' (' + s.note + ')' if s.note else ''}")
+        meth = ", ".join(f"{k} {v:.2f}" for k, v in limits.memcpy_methods.items())
+        lines.append(f"limit  memcpy     {limits.memcpy_gibps:.2f} GiB/s (best of: {meth})")
+        if limits.h2d_gibps:
+            lines.append(f"limit  pinned     H2D {limits.h2d_gibps:.2f} GiB/s, D2H {_f(limits.d2h_gibps)} GiB/s")
+    lines.append(f"cold page cache: {cold_method or 'not available: warm only'}"
+                 + (" (global, after os.sync)" if cold_method == "drop_caches" else
+                    " (per file, after os.sync)" if cold_method == "fadvise_dontneed" else ""))
+    lines += [LIMIT_POLICY, UNITS]
+    lines += [f"NOTE: {n}" for n in notes]
+    if standin:
+        lines.append("WARNING: 'fastdcp' IS A STAND-IN (stock FileSystemWriter/Reader): "
+                     "FASTDCP_BENCH_STANDIN is set. These are NOT fastdcp numbers.")
+    return lines
+
+
+def table_lines(results: list[Result]) -> list[str]:
+    cols = ["scenario", "config", "where", "system", "GiB/s median [min-max]", "s (med)",
+            "vs stock", "vs best", "of limit"]
+    rows: list[list[str]] = []
+    for r in results:
+        gib = "-" if r.gibps is None else f"{r.gibps:6.2f} [{r.gibps_min:.2f}-{r.gibps_max:.2f}]"
+        lim = "-" if r.fraction_of_limit is None else f"{100 * r.fraction_of_limit:4.0f}% {r.limit}"
+        rows.append([r.scenario, r.label(), r.where, r.system, gib, _f(r.seconds_median, "{:.3f}"),
+                     _f(r.ratio_vs_stock, "{:.2f}x"), _f(r.ratio_vs_stock_best, "{:.2f}x"), lim])
+    widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
+    out = [fmt(cols), fmt(["-" * w for w in widths])]
+    prev = None
+    for r, row in zip(results, rows):
+        case = r.case_key()
+        if prev is not None and case != prev:
+            out.append("")
+        prev = case
+        out.append(fmt(row))
+    return out
+
+
+def print_report(lines: list[str], stream=sys.stdout) -> None:
+    print("\n".join(lines), file=stream, flush=True)
+
+
+def sort_for_report(results: list[Result], system_order: list[str]) -> list[Result]:
+    """Group by case (first-seen order), systems in the order given."""
+    order: dict[tuple, int] = {}
+    for r in results:
+        order.setdefault(r.case_key(), len(order))
+    rank = {s: i for i, s in enumerate(system_order)}
+    return sorted(results, key=lambda r: (order[r.case_key()], rank.get(r.system, 99),
+                                          json.dumps(r.config, sort_keys=True)))
+
+
+def write_json(path: str, machine: dict[str, Any], limits: Limits | None, results: list[Result],
+               run: dict[str, Any], notes: list[str]) -> None:
+    doc = {
+        "machine": machine,
+        "limits": limits.to_json() if limits else None,
+        "run": run,
+        "limit_policy": LIMIT_POLICY,
+        "notes": notes,
+        "results": [r.to_json() for r in results],
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+
+
+def write_plot(path: str, results: list[Result], limits: Limits | None, system_order: list[str]) -> str | None:
+    """Bar chart per scenario (median GiB/s, min-max whiskers) with the limit as a line.
+    Returns an error message instead of raising when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no plot written"
+    scenarios: list[str] = []
+    for r in results:
+        if r.scenario not in scenarios:
+            scenarios.append(r.scenario)
+    most = max(len({r.case_key() for r in results if r.scenario == sc}) for sc in scenarios)
+    fig, axes = plt.subplots(len(scenarios), 1, figsize=(max(12.0, 1.7 * most), 3.6 * len(scenarios)),
+                             squeeze=False)
+    colors = {"stock": "#999999", "stock_best": "#5b8db8", "fastdcp": "#d9572b"}
+    rank = {name: i for i, name in enumerate(system_order)}
+    for ax, scen in zip(axes[:, 0], scenarios):
+        rs = [r for r in results if r.scenario == scen and r.gibps]
+        cases: list[tuple] = []
+        for r in rs:
+            if r.case_key() not in cases:
+                cases.append(r.case_key())
+        labels, legend_done = [], set()
+        for ci, case in enumerate(cases):
+            # one bar per result; a run on another system's checkpoint (ckpt_writer) is hatched
+            group = sorted((r for r in rs if r.case_key() == case),
+                           key=lambda r: (rank.get(r.system, 99), r.config.get("ckpt_writer", "") != r.system))
+            first = group[0]
+            labels.append(f"{first.where}\n" + "\n".join(
+                f"{k}={v}".replace("Shard(", "S").replace(")", "").replace("->", " > ")
+                for k, v in first.config.items() if k not in ("ckpt_writer", "cold_method")))
+            width = 0.8 / len(group)
+            for bi, r in enumerate(group):
+                x = ci - 0.4 + width * (bi + 0.5)
+                foreign = r.config.get("ckpt_writer", r.system) != r.system
+                label = f"{r.system} (reads {r.config['ckpt_writer']}'s files)" if foreign else r.system
+                ax.bar(x, r.gibps, width * 0.92, color=colors.get(r.system), hatch="//" if foreign else None,
+                       yerr=[[r.gibps - r.gibps_min], [r.gibps_max - r.gibps]], capsize=2,
+                       label=None if label in legend_done else label)
+                legend_done.add(label)
+            lim = first.limit_gibps
+            if lim:
+                ax.hlines(lim, ci - 0.45, ci + 0.45, colors="black", linestyles="dashed",
+                          label=None if "limit" in legend_done else "limit")
+                legend_done.add("limit")
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(labels, fontsize=6)
+        ax.set_ylabel("GiB/s")
+        ax.set_title(scen)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def run_description(cfg) -> dict[str, Any]:
+    d = asdict(cfg)
+    d["probe_configs"] = [list(c) for c in cfg.probe_configs]
+    return d

@@ -1,0 +1,158 @@
+"""Entry point: parse options, set up targets, measure limits, run scenarios, report.
+
+Exit status: 0 ok, 2 usage error, 3 a loaded state dict differed from what was saved,
+4 fastdcp requested but not importable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+
+from .config import BenchConfig, config_from_args, fmt_size
+from .limits import measure_limits
+from .machine import collect_machine
+from .pagecache import choose_cold_method
+from .report import (header_lines, print_report, run_description, sort_for_report, table_lines,
+                     write_json, write_plot)
+from .reshard import run_reshard
+from .results import Recorder, finalize
+from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
+from .state import VerificationError
+from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
+
+EXIT_OK, EXIT_USAGE, EXIT_VERIFY, EXIT_NO_FASTDCP = 0, 2, 3, 4
+SHM = "/dev/shm"
+
+
+def _banner(lines: list[str]) -> None:
+    bar = "!" * 78
+    print("\n".join([bar, *lines, bar]), file=sys.stderr, flush=True)
+
+
+class Targets:
+    """Temp directories we own on each storage target; removed on close()."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.paths: dict[str, str] = {}
+        self._made_parent: str | None = None
+        parent = os.path.abspath(cfg.dir or os.path.join(os.getcwd(), "bench_out"))
+        if not os.path.isdir(parent):
+            os.makedirs(parent)
+            self._made_parent = parent
+        self.paths["dir"] = tempfile.mkdtemp(prefix="fastdcp_bench_", dir=parent)
+        if cfg.shm and os.path.isdir(SHM) and os.access(SHM, os.W_OK):
+            self.paths["shm"] = tempfile.mkdtemp(prefix="fastdcp_bench_", dir=SHM)
+
+    def close(self) -> None:
+        for p in self.paths.values():
+            shutil.rmtree(p, ignore_errors=True)
+        if self._made_parent:
+            try:
+                os.rmdir(self._made_parent)
+            except OSError:
+                pass
+
+
+def _memory_note(cfg: BenchConfig, ctx: Context) -> None:
+    """Warn when the state (source + destination) and tmpfs checkpoints may not fit in RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    need = 2 * cfg.size + (len(cfg.systems) * cfg.size if "shm" in ctx.targets else 0)
+    if need > 0.9 * avail:
+        ctx.note(f"--size {fmt_size(cfg.size)} needs about {fmt_size(need)} of RAM (state, load target"
+                 f"{', tmpfs checkpoints' if 'shm' in ctx.targets else ''}); {fmt_size(avail)} available")
+
+
+def _release(ctx: Context, group: str) -> None:
+    for root in ctx.targets.values():
+        shutil.rmtree(os.path.join(root, group), ignore_errors=True)
+
+
+def _run(cfg: BenchConfig, ctx: Context) -> int:
+    c = cfg
+    wheres = list(ctx.targets)
+    for i, scen in enumerate(c.scenarios):
+        later = c.scenarios[i + 1:]
+        if c.checkpoint:
+            run_checkpoint_load(ctx, c.checkpoint, "dir")
+            break
+        if scen == "reshard":
+            if not any(s in later for s in ("load", "gpu_load")):
+                _release(ctx, "ckpt")  # tmpfs space for the resharding checkpoints
+            ctx.release_main_state()  # the ranks build their own shards; free the parent's copy
+            run_reshard(ctx, [w for w in c.reshard_wheres if w in ctx.targets] or ["dir"])
+            _release(ctx, "reshard")
+        elif scen == "small":
+            run_small(ctx, [w for w in c.small_wheres if w in ctx.targets] or ["dir"])
+            _release(ctx, "small")
+        else:
+            SINGLE_PROCESS[scen](ctx, wheres)
+            if scen in ("async", "gpu_save"):
+                _release(ctx, {"async": "async", "gpu_save": "gpu"}[scen])
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_from_args(argv)
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\..*")
+    progress = Progress()
+    try:
+        systems = resolve_systems(cfg.systems, cfg.standin)
+    except FastDCPUnavailable as e:
+        _banner(["BENCHMARK NOT RUN: fastdcp is not importable", str(e)])
+        return EXIT_NO_FASTDCP
+    if cfg.checkpoint and not os.path.isfile(os.path.join(cfg.checkpoint, ".metadata")):
+        print(f"error: {cfg.checkpoint} is not a DCP checkpoint (no .metadata)", file=sys.stderr)
+        return EXIT_USAGE
+    standin = any(s.standin for s in systems)
+    if standin:
+        _banner(["'fastdcp' IS A STAND-IN: stock classes (FASTDCP_BENCH_STANDIN is set)"])
+    targets = Targets(cfg)
+    try:
+        progress(f"systems {','.join(cfg.systems)}; scenarios {','.join(cfg.scenarios)}; "
+                 f"size {fmt_size(cfg.size)}; repeats {cfg.repeats}; targets "
+                 + ", ".join(f"{w}={p}" for w, p in targets.paths.items()))
+        facts_targets = dict(targets.paths)
+        if cfg.checkpoint:
+            facts_targets["checkpoint"] = os.path.abspath(cfg.checkpoint)
+        fast = ({"standin": True} if standin else fastdcp_build_info()) if "fastdcp" in cfg.systems else None
+        machine = collect_machine(facts_targets, extra={"fastdcp": fast})
+        cold = choose_cold_method(cfg.cold_method)
+        limits = measure_limits(targets.paths, cfg.probe_bytes, cfg.probe_configs, cfg.memcpy_bytes,
+                                cfg.probe_method, progress)
+        ctx = Context(cfg=cfg, systems=systems, targets=targets.paths, recorder=Recorder(),
+                      progress=progress, cold_method=cold)
+        _memory_note(cfg, ctx)
+        if cold is None:
+            ctx.note("no way to make the page cache cold here: loads are warm only")
+        elif cold != "drop_caches" and cfg.cold_method == "auto":
+            ctx.note("drop_caches not permitted: cold = posix_fadvise(DONTNEED) per checkpoint file")
+        try:
+            _run(cfg, ctx)
+        except VerificationError as e:
+            _banner(["BENCHMARK FAILED: a loaded state dict is NOT bit-exact with what was saved", str(e)])
+            return EXIT_VERIFY
+        results = sort_for_report(finalize(ctx.recorder.results, limits), cfg.systems)
+        lines = header_lines(machine, limits, cold, ctx.notes, standin)
+        print_report(["", *lines, "", *table_lines(results)])
+        if cfg.json_path:
+            write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)
+            progress(f"wrote {cfg.json_path}")
+        if cfg.plot_path:
+            err = write_plot(cfg.plot_path, results, limits, cfg.systems)
+            progress(f"plot: {err}" if err else f"wrote {cfg.plot_path}")
+        progress(f"done in {progress.elapsed():.0f} s")
+        return EXIT_OK
+    finally:
+        if cfg.keep:
+            progress(f"kept {', '.join(targets.paths.values())}")
+        else:
+            targets.close()
