@@ -239,8 +239,11 @@ class FastFileSystemWriter(FileSystemWriter):
             for f in files:
                 handle = _C.File(f.path, "w", direct)
                 handles.append(handle)
-                # Allocate up to the padded end so no O_DIRECT write extends the file.
-                handle.allocate(-(-f.size // DIRECT_ALIGN) * DIRECT_ALIGN)
+                if handle.direct:
+                    # Allocate up to the padded end so no O_DIRECT write extends the file (ext4
+                    # serialises extending direct writes). Buffered writes need no help, and on
+                    # tmpfs preallocation would zero every page before it is written.
+                    handle.allocate(-(-f.size // DIRECT_ALIGN) * DIRECT_ALIGN)
                 jobs.append((handle, 0, f.size, f.segments))
             engine.write(jobs)
             for f, handle in zip(files, handles):
