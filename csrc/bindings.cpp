@@ -179,6 +179,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
       py::arg("jobs"), py::arg("direct") = false,
       "Read [(File, offset, dest, nbytes|None), ...] exactly; a short file raises EOFError.")
     .def(
+      "read_runs",
+      [](Engine& engine, const py::list& tables, bool direct) {
+        // tables: [(File, address of an int64 [n, 3] row-major table, n), ...]; each row is
+        // (file_offset, dest_address, nbytes). Tables are built with torch ops, so a reshard's
+        // thousands of runs never become Python objects.
+        std::vector<fastdcp::ReadJob> native;
+        std::vector<std::shared_ptr<File>> files;
+        for (const auto& entry_obj : tables) {
+          auto entry = entry_obj.cast<py::tuple>();
+          auto file = entry[0].cast<std::shared_ptr<File>>();
+          const auto* rows = reinterpret_cast<const int64_t*>(address(entry[1].cast<uint64_t>()));
+          const auto n = entry[2].cast<int64_t>();
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t offset = rows[3 * i], dest = rows[3 * i + 1], nbytes = rows[3 * i + 2];
+            if (offset < 0 || nbytes < 0) { throw py::value_error("negative offset or size in a read table for '" + file->path() + "'"); }
+            if (nbytes > 0) { native.push_back({file.get(), offset, address(static_cast<uint64_t>(dest)), static_cast<size_t>(nbytes)}); }
+          }
+          files.push_back(std::move(file));
+        }
+        py::gil_scoped_release release;
+        engine.read(native, direct);
+      },
+      py::arg("tables"), py::arg("direct") = false,
+      "Read runs given as int64 [n, 3] tables of (file_offset, dest_address, nbytes).")
+    .def(
       "sync",
       [](Engine& engine, const std::vector<std::shared_ptr<File>>& files, bool data_only) {
         std::vector<File*> raw;

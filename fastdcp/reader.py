@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import io
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,7 @@ class FastFileSystemReader(FileSystemReader):
             ) from None
 
     def _read_native(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+        started = time.perf_counter()
         engine = get_engine(self.io_options)
         self._direct = self.io_options.direct_for(str(self.path))
         files = {rel: self._open(rel) for rel in per_file}
@@ -150,7 +152,9 @@ class FastFileSystemReader(FileSystemReader):
                         continue
                     target = planner.resolve_tensor(item).detach()
                     placements.append(plan_placement(item, info, blob, target, file, windows[rel]))
+            plan_seconds = time.perf_counter() - started
             self.last_stats = run_placements(engine, placements, planner, self.io_options, self._direct)
+            self.last_stats["plan_seconds"] = plan_seconds
         finally:
             for f in files.values():
                 f.close()
