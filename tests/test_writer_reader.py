@@ -147,39 +147,46 @@ def test_direct_read_into_destination_skips_staging(tmp_path):
     reader = FastFileSystemReader(tmp_path)
     _load(out, reader)
     assert torch.equal(out["w"], sd["w"])
-    assert reader.last_stats["direct_pieces"] == 1 and reader.last_stats["staged_pieces"] == 0
-    assert reader.last_stats["bytes_read_direct"] == sd["w"].nbytes
+    assert reader.last_stats["runs_pieces"] == 1 and reader.last_stats["staged_pieces"] == 0
+    assert reader.last_stats["bytes_read"] == sd["w"].nbytes and reader.last_stats["requests"] == 1
+
+
+def _only_data_file(directory):
+    """The one data file of a single-rank, single-file save (its name carries a per-save token)."""
+    (path,) = directory.glob("__0_*.distcp")
+    return path
 
 
 def test_missing_data_file_names_the_file(tmp_path):
     _save(_state(), FastFileSystemWriter(tmp_path))
-    os.remove(tmp_path / "__0_0.distcp")
+    path = _only_data_file(tmp_path)
+    os.remove(path)
     with pytest.raises(CheckpointException) as info:
         _load(_empty_like(_state()), FastFileSystemReader(tmp_path))
-    assert "__0_0.distcp" in str(info.value) and "does not exist" in str(info.value)
+    assert path.name in str(info.value) and "does not exist" in str(info.value)
 
 
 def test_truncated_data_file_names_the_file(tmp_path):
     sd = {"w": torch.randn(1024, 1024)}
     _save(sd, FastFileSystemWriter(tmp_path))
-    path = tmp_path / "__0_0.distcp"
+    path = _only_data_file(tmp_path)
     os.truncate(path, os.path.getsize(path) // 2)
     with pytest.raises(CheckpointException) as info:
         _load({"w": torch.zeros(1024, 1024)}, FastFileSystemReader(tmp_path))
-    assert "__0_0.distcp" in str(info.value)
+    assert path.name in str(info.value)
 
 
 def test_corrupted_blob_header_is_a_clear_error(tmp_path):
     sd = {"w": torch.randn(64, 64)}
     _save(sd, FastFileSystemWriter(tmp_path))
-    path = tmp_path / "__0_0.distcp"
+    path = _only_data_file(tmp_path)
     data = bytearray(path.read_bytes())
     data[0:4] = b"XXXX"  # local header signature of data.pkl
     data[-22:-18] = b"YYYY"  # end of central directory signature
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointException) as info:
         _load({"w": torch.zeros(64, 64)}, FastFileSystemReader(tmp_path))
-    assert "__0_0.distcp" in str(info.value)
+    assert path.name in str(info.value)
 
 
 def test_unloadable_quantized_dtype_is_refused_clearly(tmp_path):
