@@ -77,6 +77,25 @@ def table_lines(results: list[Result]) -> list[str]:
     return out
 
 
+def reader_stats_lines(results: list[Result]) -> list[str]:
+    """The reader's own counters (last sample) for loads that report them (fastdcp)."""
+    out: list[str] = []
+    for r in results:
+        samples = r.extra.get("reader_stats")
+        if not samples:
+            continue
+        st = samples[-1]
+        needed, read = st.get("bytes_needed", 0), st.get("bytes_read", 0)
+        amp = f"{read / needed:.2f}x" if needed else "-"
+        out.append(
+            f"  {r.scenario} {r.label()} {r.where} {r.system}: read {read / 2**20:.1f} MiB for "
+            f"{needed / 2**20:.1f} MiB needed ({amp}), {int(st.get('requests', 0))} requests, "
+            f"plan {st.get('plan_seconds', 0):.3f}s, read {st.get('read_seconds', 0):.3f}s, "
+            f"place {st.get('place_seconds', 0):.3f}s (bytes from header windows not counted)"
+        )
+    return ["reader stats (fastdcp FastFileSystemReader.last_stats, last repeat):", *out] if out else []
+
+
 def print_report(lines: list[str], stream=sys.stdout) -> None:
     print("\n".join(lines), file=stream, flush=True)
 

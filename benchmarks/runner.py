@@ -16,7 +16,7 @@ from .config import BenchConfig, config_from_args, fmt_size
 from .limits import measure_limits
 from .machine import collect_machine
 from .pagecache import choose_cold_method
-from .report import (header_lines, print_report, run_description, sort_for_report, table_lines,
+from .report import (header_lines, print_report, reader_stats_lines, run_description, sort_for_report, table_lines,
                      write_json, write_plot)
 from .reshard import run_reshard
 from .results import Recorder, finalize
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_VERIFY
         results = sort_for_report(finalize(ctx.recorder.results, limits), cfg.systems)
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
-        print_report(["", *lines, "", *table_lines(results)])
+        print_report(["", *lines, "", *table_lines(results), "", *reader_stats_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)
             progress(f"wrote {cfg.json_path}")

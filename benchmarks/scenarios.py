@@ -94,15 +94,22 @@ def timed_save(system: System, sd: dict[str, Any], path: str) -> float:
     return time.perf_counter() - t0
 
 
-def timed_load(system: System, dest: dict[str, Any], path: str, sync_cuda: bool = False) -> float:
+def timed_load(system: System, dest: dict[str, Any], path: str, sync_cuda: bool = False,
+               reader_stats: dict[str, Any] | None = None) -> float:
+    """Seconds for one dcp.load; fills ``reader_stats`` with the reader's own counters
+    (fastdcp's ``last_stats``: bytes needed vs read, requests, seconds per phase) when it has any."""
     gc.collect()
     if sync_cuda:
         torch.cuda.synchronize()
+    reader = system.make_reader(path)
     t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=system.make_reader(path), no_dist=True)
+    dcp.load(dest, storage_reader=reader, no_dist=True)
     if sync_cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    if reader_stats is not None:
+        reader_stats.update(getattr(reader, "last_stats", None) or {})
+    return elapsed
 
 
 def prepare_cache(ctx: Context, cache: str, path: str, primer: Callable[[], None] | None = None) -> None:
@@ -209,13 +216,15 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
                 for cache in caches:
                     scribble(dest)
                     prepare_cache(ctx, cache, path, primers[system.name])
-                    dt = timed_load(system, dest, path)
+                    reader_stats: dict[str, Any] = {}
+                    dt = timed_load(system, dest, path, reader_stats=reader_stats)
                     check(ctx, system, src, dest, f"load/{where}/{cache}/ckpt_writer={writer.name}")
                     cfg = {"cache": cache, "ckpt_writer": writer.name}
                     if cache == "cold":
                         cfg["cold_method"] = ctx.cold_method
+                    extra = {"reader_stats": reader_stats} if reader_stats else {}
                     ctx.recorder.add("load", where, system.name, cfg, nbytes, dt,
-                                     load_limit(where, tmpfs, cache), system.description)
+                                     load_limit(where, tmpfs, cache), system.description, **extra)
                     _log(ctx, "load", where, system.name, f"{cache} ckpt={writer.name}", rep, dt, nbytes)
 
 
