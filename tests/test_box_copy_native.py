@@ -1,7 +1,7 @@
-"""Builds and runs the native box-copy tests without the Python extension.
+"""Builds and runs the native C++ tests without the Python extension.
 
-The CPU test compiles tests/cpp/test_box_copy.cpp with csrc/box_copy.cpp and csrc/thread_pool.cpp
-(plain C++17, no torch) and runs it. The CUDA test only compiles csrc/cuda/box_copy_cuda.cu for
+The CPU tests compile a tests/cpp/test_*.cpp with the csrc/ units it exercises (plain C++17, no
+torch) and run it: the box copy (with the thread pool) and CRC-32C. The CUDA test only compiles csrc/cuda/box_copy_cuda.cu for
 sm_80 and sm_90: it needs nvcc, not a GPU.
 """
 
@@ -34,11 +34,15 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def test_cpu_box_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "test_source,units",
+    [("test_box_copy.cpp", ["box_copy.cpp", "thread_pool.cpp"]), ("test_crc32c.cpp", ["crc32c.cpp"])],
+)
+def test_cpu_native(tmp_path: Path, test_source: str, units: list[str]) -> None:
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ is not installed")
-    exe = tmp_path / "test_box_copy"
+    exe = tmp_path / Path(test_source).stem
     build = _run(
         [
             gxx,
@@ -49,9 +53,8 @@ def test_cpu_box_copy(tmp_path: Path) -> None:
             "-Wextra",
             "-I",
             str(CSRC),
-            str(REPO / "tests" / "cpp" / "test_box_copy.cpp"),
-            str(CSRC / "box_copy.cpp"),
-            str(CSRC / "thread_pool.cpp"),
+            str(REPO / "tests" / "cpp" / test_source),
+            *(str(CSRC / unit) for unit in units),
             "-o",
             str(exe),
         ],
