@@ -14,9 +14,14 @@
 #include "file.hpp"
 #include "io_error.hpp"
 
+#ifdef FASTDCP_WITH_CUDA
+#include "cuda/box_copy_cuda.cuh"
+#endif
+
 #include <fcntl.h>
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -73,6 +78,30 @@ py::dict build_info()
   return info;
 }
 
+/// Validates and simplifies `num_boxes` packed BoxCopy descriptors in place (host memory at
+/// `table`) and writes their element prefix (num_boxes + 1 int64 at `prefix`); returns the total.
+/// This is the host half of a GPU box copy: the table and prefix are then uploaded as they are.
+int64_t prepare_boxes(uint64_t table, int64_t num_boxes, uint64_t prefix)
+{
+  if (num_boxes < 0) { throw py::value_error("negative box count"); }
+  if (table % alignof(fastdcp::BoxCopy) != 0 || prefix % alignof(int64_t) != 0) {
+    throw py::value_error("box table and prefix must be 8-byte aligned");
+  }
+  if (num_boxes > 0 && table == 0) { throw py::value_error("null box table"); }
+  if (prefix == 0) { throw py::value_error("null prefix"); }
+  auto* boxes = reinterpret_cast<fastdcp::BoxCopy*>(address(table));
+  for (int64_t i = 0; i < num_boxes; ++i) {
+    try {
+      fastdcp::validate_box(boxes[i]);
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error("box " + std::to_string(i) + ": " + e.what());
+    }
+    fastdcp::simplify_box(boxes[i]);
+  }
+  return fastdcp::box_element_prefix(boxes, static_cast<size_t>(num_boxes),
+                                     reinterpret_cast<int64_t*>(address(prefix)));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -96,6 +125,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
   });
 
   m.def("build_info", &build_info, "What the extension was compiled with.");
+  m.def("box_copy_size", [] { return sizeof(fastdcp::BoxCopy); },
+        "sizeof(BoxCopy): the packed descriptor size prepare_boxes and launch_box_copy expect.");
+  m.def("prepare_boxes", &prepare_boxes, py::arg("table_address"), py::arg("num_boxes"),
+        py::arg("prefix_address"),
+        "Validate and simplify packed BoxCopy descriptors in place (host memory) and write their "
+        "int64 element prefix (num_boxes + 1 entries); returns the total element count. "
+        "Raises ValueError naming the first invalid box.");
+#ifdef FASTDCP_WITH_CUDA
+  m.def(
+    "launch_box_copy",
+    [](uint64_t d_boxes, uint64_t d_prefix, int64_t num_boxes, int64_t total_elems, uint64_t stream) {
+      if (num_boxes < 0 || total_elems < 0) { throw py::value_error("negative box or element count"); }
+      if (num_boxes > 0 && (d_boxes == 0 || d_prefix == 0)) { throw py::value_error("null device box table or prefix"); }
+      cudaError_t status = cudaSuccess;
+      {
+        py::gil_scoped_release release;
+        status = fastdcp::launch_box_copy(reinterpret_cast<const fastdcp::BoxCopy*>(address(d_boxes)),
+                                          reinterpret_cast<const int64_t*>(address(d_prefix)),
+                                          static_cast<size_t>(num_boxes), total_elems,
+                                          reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)));
+      }
+      if (status != cudaSuccess) {
+        throw std::runtime_error(std::string("fastdcp box copy kernel launch failed: ") +
+                                 cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+      }
+    },
+    py::arg("d_boxes_address"), py::arg("d_prefix_address"), py::arg("num_boxes"), py::arg("total_elems"),
+    py::arg("stream_address"),
+    "Enqueue one kernel copying num_boxes prepared BoxCopy descriptors (device memory, see "
+    "prepare_boxes) on the given cudaStream_t (torch.cuda.Stream.cuda_stream). Does not synchronise; "
+    "raises RuntimeError naming the CUDA error if the launch fails.");
+#endif
   m.def("on_memory_filesystem", &fastdcp::on_memory_filesystem, py::arg("path"),
         "True when path is on tmpfs/ramfs (O_DIRECT pointless there).");
 

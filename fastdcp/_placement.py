@@ -269,6 +269,13 @@ def _copy_box(boxes: list[tuple], piece: Piece, src_address: int, src_holder: to
     dest.copy_(typed.as_strided(piece.shape, piece.src_stride, typed.storage_offset()))
 
 
+def _gpu_available() -> bool:
+    """GPU destinations: True when the extension has the CUDA box-copy kernel and torch sees a GPU."""
+    from ._gpu_placement import gpu_placement_available
+
+    return gpu_placement_available()
+
+
 def run_placements(engine: "_C.Engine", placements: list[Placement], planner: LoadPlanner,
                    options: IoOptions, direct: bool) -> dict[str, float]:
     """Read and place every piece, then commit every item. Returns counters for benchmarks:
@@ -298,10 +305,19 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
     boxes: list[tuple] = []
     run_tables: list[tuple] = []
     staged: list[Piece] = []
+    # --- GPU destinations (fastdcp/_gpu_placement.py): pieces for CUDA tensors are collected and
+    # placed by the CUDA kernel when the extension has it; otherwise they take the paths below
+    # (Tensor.copy_ from host memory).
+    gpu_pieces: list[Piece] = []
+    use_gpu = any(p.dest.device.type == "cuda" for pl in placements for p in pl.pieces) and _gpu_available()
+    # --- end GPU destinations
     for placement in placements:
         for piece in placement.pieces:
             stats["bytes_needed"] += math.prod(piece.shape) * piece.src_dtype.itemsize
-            if piece.mode == "window":
+            if use_gpu and piece.dest.device.type == "cuda":  # GPU destinations
+                stats["window_pieces"] += int(piece.mode == "window")
+                gpu_pieces.append(piece)
+            elif piece.mode == "window":
                 stats["window_pieces"] += 1
                 assert piece.window_tensor is not None
                 _copy_box(boxes, piece, piece.window_tensor.data_ptr() + piece.window_offset,
@@ -317,6 +333,11 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
 
     if staged:
         _run_staged(staged, half_budget, request_cost, stats, read, place)
+
+    if gpu_pieces:  # GPU destinations: leaves their current streams ordered after the copies
+        from ._gpu_placement import place_on_gpu
+
+        place_on_gpu(gpu_pieces, half_budget, request_cost, stats, read)
 
     for placement in placements:
         planner.commit_tensor(placement.item, placement.target)

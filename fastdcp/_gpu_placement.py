@@ -1,0 +1,231 @@
+"""Placement of stored tensor bytes into CUDA destination tensors.
+
+The CPU placement (:mod:`fastdcp._placement`) decides *what* to read: pieces, their spans and run
+tables. For pieces whose destination lives on a GPU this module decides *how it gets there*:
+
+1. the needed bytes are read (the same run tables as the CPU ``staged`` mode; ``window`` pieces are
+   copied from the header pass's memory) into **pinned** host staging, one buffer per load used as
+   two halves, so batch i+1 is read while batch i travels;
+2. each batch's descriptors (one :class:`BoxCopy` per piece, packed here, validated and simplified by
+   ``_C.prepare_boxes``) are written behind the batch's data in the same pinned half, and the whole
+   half is copied host-to-device with one ``non_blocking`` copy on a side stream into a device
+   staging buffer;
+3. one ``_C.launch_box_copy`` on the side stream places every box of the batch (N-D boxes, any
+   destination strides, dtype conversion with CUDA's rules, as torch on CUDA); pieces the kernel
+   cannot handle (a dtype pair it does not convert, conj/neg views, more than 8 dims, overlapping
+   destinations) are copied with ``Tensor.copy_`` on the same side stream instead;
+4. an event recorded after each host-to-device copy guards the pinned half: it is refilled only after
+   ``event.synchronize()`` (never a device-wide synchronisation); the device staging buffer is reused
+   in stream order (copy i+1 follows kernel i on the side stream) and lives until the load ends;
+5. at the end the destinations' current stream waits for the side stream, so ``commit_tensor`` and
+   whatever the caller does next run after the data is in place, without a host synchronisation.
+
+At the start the side stream waits for the current stream, so pending work on the destinations (a
+``zero_()`` just before the load, say) is ordered before the copies.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from . import _C
+from ._placement import _MAX_BOX_DIMS, _RAW, _STAGING_ALIGN, Piece, _split_to_budget, _staged_read_table
+
+__all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES"]
+
+# struct BoxCopy (csrc/box_copy.hpp): src, dst pointers; int32 ndim, src_kind, dst_kind,
+# src_elem_size, dst_elem_size (+4 bytes padding to 8-byte alignment); int64 shape[8],
+# src_stride[8], dst_stride[8]. Little-endian, 232 bytes = 29 int64 slots.
+_BOX_STRUCT = struct.Struct("<QQiiiii4x8q8q8q")
+BOX_BYTES = _BOX_STRUCT.size
+assert BOX_BYTES == 40 + 3 * 8 * _MAX_BOX_DIMS == 232
+
+# c10::ScalarType numbers of the kinds the kernel knows (ScalarKind in csrc/box_copy.hpp).
+_KIND = {
+    torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+    torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex64: 9, torch.complex128: 10,
+    torch.bool: 11, torch.bfloat16: 15,
+}
+# Kinds the kernel converts between (complex only copies to itself).
+_CONVERTIBLE = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                          torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+BoxTuple = tuple  # (src, dst, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride)
+
+
+def gpu_placement_available() -> bool:
+    """True when the extension has the CUDA kernel and torch sees a GPU."""
+    return bool(_C.build_info().get("cuda")) and hasattr(_C, "launch_box_copy") and torch.cuda.is_available()
+
+
+def pack_boxes(boxes: list[BoxTuple]) -> bytearray:
+    """Pack box tuples (the format ``Engine.box_copy`` takes) into BoxCopy's exact memory layout.
+    Unused dimension slots are zero."""
+    out = bytearray(len(boxes) * BOX_BYTES)
+    for i, (src, dst, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride) in enumerate(boxes):
+        ndim = len(shape)
+        if ndim > _MAX_BOX_DIMS or len(src_stride) != ndim or len(dst_stride) != ndim:
+            raise ValueError(f"box {i}: {ndim} dims (at most {_MAX_BOX_DIMS}) or mismatched strides")
+        pad = (0,) * (_MAX_BOX_DIMS - ndim)
+        _BOX_STRUCT.pack_into(out, i * BOX_BYTES, src, dst, ndim, src_kind, dst_kind, src_elem, dst_elem,
+                              *shape, *pad, *src_stride, *pad, *dst_stride, *pad)
+    return out
+
+
+def _kinds(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> tuple[int, int] | None:
+    """Kernel kinds for a copy, or None when the kernel cannot do it."""
+    if src_dtype == dst_dtype:
+        return _RAW, _RAW  # a byte copy of any dtype
+    if src_dtype in _CONVERTIBLE and dst_dtype in _CONVERTIBLE:
+        return _KIND[src_dtype], _KIND[dst_dtype]
+    return None
+
+
+def _kernel_box(piece: Piece, src_address: int) -> BoxTuple | None:
+    """The kernel descriptor placing ``piece`` from device memory at ``src_address``, or None when
+    the piece must go through ``Tensor.copy_``."""
+    dest = piece.dest
+    if dest.is_conj() or dest.is_neg() or len(piece.shape) > _MAX_BOX_DIMS:
+        return None
+    if any(s == 0 and n > 1 for s, n in zip(dest.stride(), dest.shape)):
+        return None  # overlapping destination: let torch raise its own error
+    kinds = _kinds(piece.src_dtype, dest.dtype)
+    if kinds is None:
+        return None
+    return (src_address, dest.data_ptr(), kinds[0], kinds[1], piece.src_dtype.itemsize, dest.element_size(),
+            piece.shape, piece.src_stride, tuple(dest.stride()))
+
+
+def _align(n: int, a: int = _STAGING_ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def _batch_bytes(data_bytes: int, num_boxes: int) -> int:
+    """Bytes a batch occupies in a staging half: data, then descriptors, then the element prefix."""
+    return _align(data_bytes) + num_boxes * BOX_BYTES + (num_boxes + 1) * 8
+
+
+def _new_pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _new_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def place_on_gpu(pieces: list[Piece], half_budget: int, request_cost: int, stats: dict,
+                 read: Callable[[list[tuple]], None]) -> None:
+    """Read and place every piece (CUDA destinations), leaving each destination device's current
+    stream ordered after the copies. ``read`` reads run tables as ``run_placements`` does."""
+    by_device: dict[torch.device, list[Piece]] = defaultdict(list)
+    for piece in pieces:
+        by_device[piece.dest.device].append(piece)
+    for device, device_pieces in by_device.items():
+        with torch.cuda.device(device):
+            _place_on_device(device, device_pieces, half_budget, request_cost, stats, read)
+
+
+def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int, request_cost: int,
+                     stats: dict, read: Callable[[list[tuple]], None]) -> None:
+    # Split to the half budget (less room for the piece's descriptor); a window piece too large for
+    # a half becomes staged parts read from the file.
+    data_budget = max(_STAGING_ALIGN, (half_budget - BOX_BYTES - 16) // _STAGING_ALIGN * _STAGING_ALIGN)
+    work: list[Piece] = []
+    for piece in pieces:
+        if piece.mode == "window" and piece.span_nbytes <= data_budget:
+            work.append(piece)
+        else:
+            work.extend(_split_to_budget(piece, data_budget))
+    work.sort(key=lambda p: (p.mode != "window", p.file.path, p.span_start))
+
+    # Batches of (piece, data offset within the half).
+    batches: list[list[tuple[Piece, int]]] = [[]]
+    used = 0
+    for piece in work:
+        size = _align(piece.span_nbytes)
+        if batches[-1] and _batch_bytes(used + size, len(batches[-1]) + 1) > half_budget:
+            batches.append([])
+            used = 0
+        batches[-1].append((piece, used))
+        used += size
+    largest = max(_align(_batch_bytes(sum(_align(p.span_nbytes) for p, _ in b), len(b))) for b in batches)
+    halves = 2 if len(batches) > 1 else 1
+
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(current)  # pending work on the destinations comes first
+    pinned = _new_pinned(largest * halves)
+    with torch.cuda.stream(side):
+        # Allocated on the side stream: the caching allocator reuses it only in that stream's order.
+        device_staging = _new_device_buffer(largest, device)
+    copied: list[torch.cuda.Event | None] = [None] * halves
+    stats["gpu_pieces"] = stats.get("gpu_pieces", 0) + len(work)
+    stats["gpu_batches"] = stats.get("gpu_batches", 0) + len(batches)
+    stats["gpu_staging_bytes"] = max(stats.get("gpu_staging_bytes", 0), pinned.numel())
+    stats.setdefault("gpu_kernel_boxes", 0)
+    stats.setdefault("gpu_fallback_copies", 0)
+
+    for index, batch in enumerate(batches):
+        half = index % halves
+        if copied[half] is not None:
+            copied[half].synchronize()  # the previous upload from this half has finished
+        half_offset = half * largest
+        base = pinned.data_ptr() + half_offset
+
+        tables = []
+        data_bytes = 0
+        for piece, offset in batch:
+            data_bytes = max(data_bytes, offset + piece.span_nbytes)
+            if piece.mode == "window":
+                assert piece.window_tensor is not None
+                window = piece.window_tensor[piece.window_offset : piece.window_offset + piece.span_nbytes]
+                pinned[half_offset + offset : half_offset + offset + piece.span_nbytes].copy_(window)
+            else:
+                tables.append((piece.file, _staged_read_table(piece, base + offset, request_cost)))
+        if tables:
+            read(tables)
+
+        device_base = device_staging.data_ptr()
+        boxes: list[BoxTuple] = []
+        fallbacks: list[tuple[Piece, int]] = []
+        for piece, offset in batch:
+            box = _kernel_box(piece, device_base + offset)
+            if box is None:
+                fallbacks.append((piece, offset))
+            else:
+                boxes.append(box)
+        table_offset = _align(data_bytes)
+        prefix_offset = table_offset + len(boxes) * BOX_BYTES
+        upload_bytes = prefix_offset + (len(boxes) + 1) * 8
+        total = 0
+        if boxes:
+            packed = pack_boxes(boxes)
+            pinned[half_offset + table_offset : half_offset + prefix_offset].copy_(
+                torch.frombuffer(packed, dtype=torch.uint8))
+            total = _C.prepare_boxes(base + table_offset, len(boxes), base + prefix_offset)
+        else:
+            upload_bytes = data_bytes
+
+        with torch.cuda.stream(side):
+            device_staging[:upload_bytes].copy_(pinned[half_offset : half_offset + upload_bytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+            copied[half] = event
+            if boxes and total:
+                _C.launch_box_copy(device_base + table_offset, device_base + prefix_offset, len(boxes), total,
+                                   side.cuda_stream)
+            for piece, offset in fallbacks:
+                raw = device_staging[offset : offset + piece.span_nbytes].view(piece.src_dtype)
+                piece.dest.copy_(raw.as_strided(piece.shape, piece.src_stride, raw.storage_offset()))
+        stats["gpu_kernel_boxes"] += len(boxes)
+        stats["gpu_fallback_copies"] += len(fallbacks)
+
+    # Everything queued on `current` from here on (commit_tensor, the caller's work) sees the data.
+    current.wait_stream(side)
+    # `pinned` is released to torch's pinned-memory cache, which reuses a block only after the
+    # non_blocking copies recorded on it have completed; `device_staging` was allocated on `side`.
+

@@ -1,0 +1,484 @@
+"""GPU destinations for the reader (fastdcp/_gpu_placement.py).
+
+Three layers:
+
+* CPU, always run: the descriptor packing against a ctypes mirror of ``struct BoxCopy``
+  (csrc/box_copy.hpp), ``_C.prepare_boxes`` (validate + simplify + prefix) on packed tables, and the
+  kinds/strides of the descriptors checked by running them through the CPU box copy.
+* CPU, always run: the whole GPU pipeline (batching, pinned halves, descriptor tables and prefix
+  behind the data, fallbacks, stream/event calls) with the CUDA pieces replaced by CPU fakes: the
+  fake kernel decodes the uploaded table with ctypes and executes it with the CPU box copy.
+* GPU, skipped without CUDA: real loads into CUDA tensors, bit-exact against CPU references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import random
+import types
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_cases as C
+import fastdcp
+import fastdcp._gpu_placement as G
+import fastdcp.reader as reader_module
+from fastdcp import FastFileSystemReader, _C
+
+MAX_DIMS = 8
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fastdcp.build_info().get("cuda")),
+    reason="needs a CUDA device and an extension built with CUDA",
+)
+
+
+class BoxCopyC(ctypes.Structure):
+    """ctypes mirror of fastdcp::BoxCopy (csrc/box_copy.hpp)."""
+
+    _fields_ = [
+        ("src", ctypes.c_uint64),
+        ("dst", ctypes.c_uint64),
+        ("ndim", ctypes.c_int32),
+        ("src_kind", ctypes.c_int32),
+        ("dst_kind", ctypes.c_int32),
+        ("src_elem_size", ctypes.c_int32),
+        ("dst_elem_size", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("src_stride", ctypes.c_int64 * MAX_DIMS),
+        ("dst_stride", ctypes.c_int64 * MAX_DIMS),
+    ]
+
+
+def _as_tuple(box: BoxCopyC) -> tuple:
+    n = box.ndim
+    return (box.src, box.dst, box.src_kind, box.dst_kind, box.src_elem_size, box.dst_elem_size,
+            tuple(box.shape[:n]), tuple(box.src_stride[:n]), tuple(box.dst_stride[:n]))
+
+
+# --------------------------------------------------------------------------------------------- #
+# descriptor layout
+# --------------------------------------------------------------------------------------------- #
+def test_layout_matches_the_native_struct():
+    assert ctypes.sizeof(BoxCopyC) == G.BOX_BYTES == _C.box_copy_size() == 232
+    assert BoxCopyC.ndim.offset == 16 and BoxCopyC.dst_elem_size.offset == 32
+    assert BoxCopyC.shape.offset == 40 and BoxCopyC.src_stride.offset == 104 and BoxCopyC.dst_stride.offset == 168
+
+
+def test_pack_boxes_matches_ctypes_mirror():
+    boxes = [
+        (0x7F00_1234_5678_9ABC, 0xFFFF_FFFF_FFFF_FFF0, -1, -1, 2, 2, (), (), ()),
+        (64, 128, 6, 15, 4, 2, (5,), (3,), (1,)),
+        (1 << 40, (1 << 40) + 4096, 4, 3, 8, 4, (2, 3, 4), (12, 4, 1), (1, 2, 6)),
+        (1, 2, -1, -1, 16, 16, tuple(range(1, 9)), tuple(range(10, 18)), tuple(range(20, 28))),
+    ]
+    packed = G.pack_boxes(boxes)
+    assert len(packed) == len(boxes) * 232
+    for i, box in enumerate(boxes):
+        mirror = BoxCopyC.from_buffer_copy(bytes(packed[i * 232 : (i + 1) * 232]))
+        assert _as_tuple(mirror) == box
+        n = len(box[6])
+        assert list(mirror.shape[n:]) == [0] * (MAX_DIMS - n)
+        assert list(mirror.src_stride[n:]) == [0] * (MAX_DIMS - n)
+        assert list(mirror.dst_stride[n:]) == [0] * (MAX_DIMS - n)
+    # the padding after dst_elem_size is zero
+    assert bytes(packed[36:40]) == b"\0\0\0\0"
+    with pytest.raises(ValueError):
+        G.pack_boxes([(1, 2, -1, -1, 4, 4, tuple([1] * 9), tuple([1] * 9), tuple([1] * 9))])
+    with pytest.raises(ValueError):
+        G.pack_boxes([(1, 2, -1, -1, 4, 4, (2, 3), (3,), (3, 1))])
+
+
+def _packed_table(boxes: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    table = torch.frombuffer(G.pack_boxes(boxes), dtype=torch.int64).clone()  # 8-byte aligned
+    prefix = torch.full((len(boxes) + 1,), -7, dtype=torch.int64)
+    return table, prefix
+
+
+def test_prepare_boxes_simplifies_in_place_and_writes_prefix():
+    boxes = [
+        (4096, 8192, -1, -1, 4, 4, (2, 3, 4), (12, 4, 1), (12, 4, 1)),  # contiguous: becomes 1-D
+        (4096, 8192, 6, 15, 4, 2, (1, 5, 1), (5, 1, 1), (50, 10, 1)),  # size-1 dims dropped
+        (4096, 8192, -1, -1, 2, 2, (), (), ()),  # 0-d: one element
+        (4096, 8192, -1, -1, 2, 2, (3, 0), (1, 1), (1, 1)),  # empty
+        (4096, 8192, -1, -1, 1, 1, (4, 6), (1, 4), (6, 1)),  # transpose stays 2-D
+    ]
+    table, prefix = _packed_table(boxes)
+    total = _C.prepare_boxes(table.data_ptr(), len(boxes), prefix.data_ptr())
+    assert total == 24 + 5 + 1 + 0 + 24
+    assert prefix.tolist() == [0, 24, 29, 30, 30, 54]
+    raw = bytes(table.numpy().tobytes())
+    got = [_as_tuple(BoxCopyC.from_buffer_copy(raw[i * 232 : (i + 1) * 232])) for i in range(len(boxes))]
+    assert got[0][6:] == ((24,), (1,), (1,))
+    assert got[1][2:] == (6, 15, 4, 2, (5,), (1,), (10,))
+    assert got[2][6:] == ((1,), (1,), (1,))
+    assert got[3][6] == (0,)
+    assert got[4][6:] == ((4, 6), (1, 4), (6, 1))
+    assert all(g[:2] == (4096, 8192) for g in got)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ((1, 2, -1, -1, 4, 4, (3,), (1,), (0,)), "destination stride 0"),
+        ((1, 2, 9, 6, 8, 4, (3,), (1,), (1,)), "unsupported kinds"),
+        ((1, 2, 6, 15, 4, 4, (3,), (1,), (1,)), "element size"),
+        ((0, 2, -1, -1, 4, 4, (3,), (1,), (1,)), "null pointer"),
+    ],
+)
+def test_prepare_boxes_rejects_invalid_descriptors(bad, message):
+    good = (1, 2, -1, -1, 4, 4, (3,), (1,), (1,))
+    table, prefix = _packed_table([good, bad])
+    with pytest.raises(ValueError, match=f"box 1: .*{message}"):
+        _C.prepare_boxes(table.data_ptr(), 2, prefix.data_ptr())
+
+
+_CONVERTIBLE = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _values(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 20).to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)  # representable in every kind
+
+
+@pytest.mark.parametrize("src_dtype", _CONVERTIBLE, ids=str)
+def test_kernel_descriptors_convert_like_torch(src_dtype):
+    """The descriptors _kernel_box builds (kind numbers, element sizes, strides) executed by the
+    CPU box copy give what Tensor.copy_ gives: the ScalarKind table is right for every pair."""
+    engine = _C.Engine(2, 1 << 20)
+    staging = _values(src_dtype, (6, 10), 3).t()  # a (10, 6) source with strides (1, 10)
+    for dst_dtype in _CONVERTIBLE:
+        dest = torch.zeros((6, 20), dtype=dst_dtype).t()[::2]  # (10, 6), strides (2, 20)
+        piece = types.SimpleNamespace(src_dtype=src_dtype, shape=tuple(staging.shape),
+                                      src_stride=tuple(staging.stride()), dest=dest)
+        box = G._kernel_box(piece, staging.data_ptr())
+        assert box is not None
+        if src_dtype == dst_dtype:
+            assert box[2:4] == (-1, -1)
+        engine.box_copy([box])
+        expected = torch.zeros(dest.shape, dtype=dst_dtype).copy_(staging)
+        C.assert_tensor_bitexact(_packed(dest), expected, f"{src_dtype} -> {dst_dtype}")
+
+
+def test_kernel_box_falls_back_where_the_kernel_cannot():
+    def piece(dest, src_dtype=torch.float32):
+        return types.SimpleNamespace(src_dtype=src_dtype, shape=tuple(dest.shape),
+                                     src_stride=tuple(dest.stride()), dest=dest)
+
+    assert G._kernel_box(piece(torch.zeros(3, dtype=torch.complex128), torch.complex64), 64) is None
+    assert G._kernel_box(piece(torch.zeros(3, dtype=torch.complex64)), 64) is None
+    assert G._kernel_box(piece(torch.zeros(3, dtype=torch.complex64).conj(), torch.complex64), 64) is None
+    assert G._kernel_box(piece(torch.zeros(1, 3).expand(4, 3)), 64) is None
+    assert G._kernel_box(piece(torch.zeros([1] * 9)), 64) is None
+    # same-dtype copies of kinds the kernel does not know are raw byte copies
+    box = G._kernel_box(piece(torch.zeros(3, dtype=torch.uint16), torch.uint16), 64)
+    assert box is not None and box[2:6] == (-1, -1, 2, 2)
+
+
+def test_not_available_without_cuda():
+    if not torch.cuda.is_available():
+        assert not G.gpu_placement_available()
+    assert G.gpu_placement_available() == (torch.cuda.is_available() and bool(fastdcp.build_info()["cuda"]))
+
+
+# --------------------------------------------------------------------------------------------- #
+# the pipeline with CPU fakes for the CUDA pieces
+# --------------------------------------------------------------------------------------------- #
+class _FakeCuda:
+    """Records what _place_on_device asks of CUDA and executes the 'kernel' on the CPU."""
+
+    def __init__(self):
+        self.engine = _C.Engine(2, 1 << 20)
+        self.pinned: list[torch.Tensor] = []
+        self.device: list[torch.Tensor] = []
+        self.launches = 0
+        self.synchronized = 0
+        self.waits: list[tuple[str, str]] = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, name="side"):
+                self.name = name
+                self.cuda_stream = 0xC0DE if name == "side" else 0
+
+            def wait_stream(self, other):
+                fake.waits.append((self.name, other.name))
+
+        class Event:
+            def record(self, stream=None):
+                assert stream is not None and stream.name == "side"
+
+            def synchronize(self):
+                fake.synchronized += 1
+
+        self.Stream, self.Event = Stream, Event
+        self.current = Stream(name="current")
+
+    def new_pinned(self, nbytes):
+        t = torch.full((nbytes,), 0xEE, dtype=torch.uint8)
+        self.pinned.append(t)
+        return t
+
+    def new_device_buffer(self, nbytes, device):
+        t = torch.full((nbytes,), 0xDD, dtype=torch.uint8)
+        self.device.append(t)
+        return t
+
+    def launch_box_copy(self, d_boxes, d_prefix, num_boxes, total, stream):
+        assert stream == 0xC0DE
+        dev = self.device[-1]
+        lo, hi = dev.data_ptr(), dev.data_ptr() + dev.numel()
+        assert lo <= d_boxes and d_boxes + num_boxes * 232 <= d_prefix and d_prefix + (num_boxes + 1) * 8 <= hi
+        assert d_boxes % 8 == 0 and d_prefix % 8 == 0
+        boxes = (BoxCopyC * num_boxes).from_address(d_boxes)
+        prefix = list((ctypes.c_int64 * (num_boxes + 1)).from_address(d_prefix))
+        tuples = [_as_tuple(b) for b in boxes]
+        count = 0
+        assert prefix[0] == 0
+        for i, box in enumerate(tuples):
+            n = 1
+            for s in box[6]:
+                n *= s
+            count += n
+            assert prefix[i + 1] == count
+            assert lo <= box[0] < hi, "a kernel source must be in device staging"
+        assert count == total
+        self.launches += 1
+        self.engine.box_copy(tuples)
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(G, "_new_pinned", self.new_pinned)
+        monkeypatch.setattr(G, "_new_device_buffer", self.new_device_buffer)
+        monkeypatch.setattr(G, "_C", types.SimpleNamespace(prepare_boxes=_C.prepare_boxes,
+                                                           launch_box_copy=self.launch_box_copy))
+
+        def run_everything_as_gpu(engine, placements, planner, options, direct):
+            stats = {"bytes_read": 0, "requests": 0}
+
+            def read(tables):
+                engine.read_runs([(f, t.data_ptr(), t.shape[0]) for f, t in tables], direct)
+                for _, t in tables:
+                    stats["requests"] += t.shape[0]
+                    stats["bytes_read"] += int(t[:, 2].sum())
+
+            half = max(64, options.memory_budget_bytes // 2 // 64 * 64)
+            pieces = [p for pl in placements for p in pl.pieces]
+            if pieces:
+                G.place_on_gpu(pieces, half, 4096, stats, read)
+            for pl in placements:
+                planner.commit_tensor(pl.item, pl.target)
+            return stats
+
+        monkeypatch.setattr(reader_module, "run_placements", run_everything_as_gpu)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    return fake
+
+
+@pytest.mark.parametrize("writer_kind", ["stock", "fast"])
+def test_simulated_pipeline_same_layout(tmp_path, fake_cuda, writer_kind):
+    saved = C.zoo_tensors(1)
+    C.save(saved, C.make_writer(writer_kind, tmp_path))
+    dest = C.destination_for(saved)
+    reader = FastFileSystemReader(tmp_path)
+    C.load(dest, reader)
+    C.assert_same(dest, saved, check_stride=False)
+    stats = reader.last_stats
+    assert stats["gpu_kernel_boxes"] > 0 and stats["gpu_fallback_copies"] == 0
+    assert fake_cuda.launches == stats["gpu_batches"] >= 1
+    # ordering: side waits for current first, current waits for side last
+    assert fake_cuda.waits[0] == ("side", "current") and fake_cuda.waits[-1] == ("current", "side")
+
+
+def _stored(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "m2": torch.randn(63, 47, generator=g),
+        "wide": torch.randn(96, 384, generator=g),
+        "b3": torch.randn(7, 13, 11, generator=g).to(torch.bfloat16),
+        "i4": torch.randint(-30000, 30000, (3, 5, 7, 9), generator=g).to(torch.int16),
+        "t2": torch.randn(29, 31, generator=g).t(),
+        "c1": torch.randn(40, generator=g).to(torch.complex64),
+    }
+
+
+def _random_box(rng, shape):
+    offsets, sizes = [], []
+    for n in shape:
+        lo = rng.randrange(n)
+        offsets.append(lo)
+        sizes.append(rng.randrange(lo + 1, n + 1) - lo)
+    return offsets, sizes
+
+
+def _destination(sizes, dtype, layout, device="cpu"):
+    if layout == "convert":
+        dtype = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32, torch.int16: torch.int64,
+                 torch.complex64: torch.complex128}[dtype]
+    if layout == "permuted" and len(sizes) > 1:
+        order = list(range(len(sizes)))[::-1]
+        storage = torch.full([sizes[d] for d in order], 7, dtype=dtype, device=device)
+        return storage.permute(*[order.index(d) for d in range(len(sizes))])
+    if layout == "offset":
+        n = 1
+        for s in sizes:
+            n *= s
+        return torch.full((n + 5,), 7, dtype=dtype, device=device)[5:].view(sizes)
+    return torch.full(sizes, 7, dtype=dtype, device=device)
+
+
+def _packed(t):
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+@pytest.mark.parametrize("writer_kind", ["stock", "fast"])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "offset", "convert"])
+def test_simulated_pipeline_resharded_tiny_budget(tmp_path, fake_cuda, writer_kind, layout):
+    saved = _stored(5)
+    C.save(saved, C.make_writer(writer_kind, tmp_path))
+    rng = random.Random(f"{writer_kind}-{layout}")
+    budget = 16 << 10
+    for round_ in range(2):
+        slices, dest, expected = {}, {}, {}
+        for name, tensor in saved.items():
+            offsets, sizes = _random_box(rng, tuple(tensor.shape))
+            slices[name] = (offsets, sizes)
+            dest[name] = _destination(sizes, tensor.dtype, layout)
+            expected[name] = C.box(tensor, offsets, sizes).to(dest[name].dtype)
+        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
+        dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
+        for name in saved:
+            C.assert_tensor_bitexact(_packed(dest[name]), _packed(expected[name]), f"{name} {slices[name]}")
+        stats = reader.last_stats
+        assert stats["gpu_staging_bytes"] <= budget
+        if layout == "convert":
+            assert stats["gpu_fallback_copies"] >= 1  # complex64 -> complex128
+    assert all(t.numel() <= budget for t in fake_cuda.pinned)
+
+
+def test_simulated_pipeline_many_batches_reuse_halves(tmp_path, fake_cuda):
+    saved = {f"w{i}": torch.randn(256, 256) for i in range(6)}  # 6 x 256 KiB, larger than windows
+    C.save(saved, C.make_writer("fast", tmp_path))
+    dest = {k: torch.zeros(256, 256, dtype=torch.bfloat16) for k in saved}
+    budget = 200 << 10
+    reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    for k, v in saved.items():
+        C.assert_tensor_bitexact(dest[k], v.bfloat16(), k)
+    stats = reader.last_stats
+    assert stats["gpu_batches"] > 2
+    assert fake_cuda.synchronized == stats["gpu_batches"] - 2  # each half waited for before reuse
+    assert len(fake_cuda.pinned) == 1 and fake_cuda.pinned[0].numel() <= budget  # allocated once
+    assert len(fake_cuda.device) == 1
+
+
+# --------------------------------------------------------------------------------------------- #
+# real GPU loads
+# --------------------------------------------------------------------------------------------- #
+@needs_cuda
+@pytest.mark.parametrize("writer_kind", ["stock", "fast"])
+def test_gpu_same_layout(tmp_path, writer_kind):
+    saved = C.zoo_tensors(2)
+    C.save(saved, C.make_writer(writer_kind, tmp_path))
+    dest = {k: torch.full(v.shape, 7, dtype=v.dtype, device="cuda") for k, v in saved.items()}
+    reader = FastFileSystemReader(tmp_path)
+    C.load(dest, reader)
+    torch.cuda.synchronize()
+    for k, v in saved.items():
+        C.assert_tensor_bitexact(_packed(dest[k].cpu()), _packed(v), k)
+    assert reader.last_stats["gpu_kernel_boxes"] > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("writer_kind", ["stock", "fast"])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "offset", "convert"])
+def test_gpu_resharded_boxes(tmp_path, writer_kind, layout):
+    saved = _stored(7)
+    C.save(saved, C.make_writer(writer_kind, tmp_path))
+    rng = random.Random(f"gpu-{writer_kind}-{layout}")
+    for budget in (16 << 10, 512 << 20):
+        slices, dest, expected = {}, {}, {}
+        for name, tensor in saved.items():
+            offsets, sizes = _random_box(rng, tuple(tensor.shape))
+            slices[name] = (offsets, sizes)
+            dest[name] = _destination(sizes, tensor.dtype, layout, device="cuda")
+            expected[name] = C.box(tensor, offsets, sizes).to(dest[name].dtype)  # CPU conversion
+        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
+        dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
+        torch.cuda.synchronize()
+        for name in saved:
+            C.assert_tensor_bitexact(_packed(dest[name].cpu()), _packed(expected[name]), f"{name} {slices[name]}")
+
+
+@needs_cuda
+def test_gpu_shard1_reshard_and_dtype_conversion(tmp_path):
+    saved = {"w": torch.randn(512, 1024), "h": torch.randn(300, 257).to(torch.bfloat16)}
+    C.save(saved, C.make_writer("fast", tmp_path))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        dest = {"w": torch.zeros(512, 256, dtype=dtype, device="cuda"),
+                "h": torch.zeros(100, 257, dtype=torch.float32, device="cuda")}
+        planner = C.SliceLoadPlanner({"w": ([0, 512], [512, 256]), "h": ([150, 0], [100, 257])})
+        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=64 << 10)
+        dcp.load(dest, storage_reader=reader, planner=planner, no_dist=True)
+        torch.cuda.synchronize()
+        C.assert_tensor_bitexact(dest["w"].cpu(), saved["w"][:, 512:768].to(dtype), f"w as {dtype}")
+        C.assert_tensor_bitexact(dest["h"].cpu(), saved["h"][150:250].float(), "h")
+        assert reader.last_stats["gpu_batches"] > 2
+
+
+@needs_cuda
+def test_gpu_non_contiguous_destinations_and_fallbacks(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    saved = {
+        "t": torch.randn(300, 200, generator=g),
+        "c": torch.randn(50, generator=g).to(torch.complex64),
+        "u16": torch.randint(0, 60000, (77,), generator=g).to(torch.uint16),
+        "big": torch.randn(1 << 20, generator=g),
+    }
+    C.save(saved, C.make_writer("fast", tmp_path))
+    dest = {
+        "t": torch.zeros(200, 300, device="cuda").t(),
+        "c": torch.zeros(50, dtype=torch.complex128, device="cuda"),  # unsupported pair: copy_
+        "u16": torch.empty(80, dtype=torch.uint16, device="cuda")[3:],  # raw copy at an odd offset
+        "big": torch.zeros(2 << 20, device="cuda")[::2],
+    }
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # a non-default current stream: copies must be ordered on it
+        for k in ("t", "c", "big"):
+            dest[k].fill_(1)
+        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=1 << 20)
+        C.load(dest, reader)
+        out = {k: v.cpu() for k, v in dest.items()}  # stream-ordered, no explicit synchronize
+    for k, v in saved.items():
+        C.assert_tensor_bitexact(_packed(out[k]), _packed(v.to(out[k].dtype)), k)
+    assert reader.last_stats["gpu_fallback_copies"] >= 1
+
+
+@needs_cuda
+def test_gpu_many_small_tensors_tiny_budget(tmp_path):
+    saved = C.many_small_tensors(200, seed=4)
+    C.save(saved, C.make_writer("stock", tmp_path))
+    dest = {k: torch.zeros_like(v, device="cuda") for k, v in saved.items()}
+    reader = FastFileSystemReader(tmp_path, memory_budget_bytes=8 << 10)
+    C.load(dest, reader)
+    torch.cuda.synchronize()
+    for k, v in saved.items():
+        C.assert_tensor_bitexact(dest[k].cpu(), v, k)
+    assert reader.last_stats["gpu_batches"] > 2
