@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include "box_copy.hpp"
+#include "crc32c.hpp"
 #include "engine.hpp"
 #include "file.hpp"
 #include "io_error.hpp"
@@ -72,6 +73,7 @@ py::dict build_info()
   info["o_direct"] = false;
 #endif
   info["io_uring"] = false;
+  info["crc32c_hardware"] = fastdcp::crc32c_hardware();
   info["direct_align"] = fastdcp::kDirectAlign;
   info["torch_compiled"] = FASTDCP_TORCH_VERSION;
   info["compiler"] = __VERSION__;
@@ -264,6 +266,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
       },
       py::arg("tables"), py::arg("direct") = false,
       "Read runs given as int64 [n, 3] tables of (file_offset, dest_address, nbytes).")
+    .def(
+      "crc32c",
+      [](Engine& engine, const py::list& regions) {
+        // regions: [(address | bytes_like, nbytes | None[, seed]), ...] -> [crc32c, ...], one task
+        // each; a seed continues an earlier checksum (crc of a+b = crc of b seeded with crc of a).
+        std::vector<PyBytesView> views;
+        std::vector<uint32_t> seeds;
+        std::vector<py::buffer_info> keep;
+        views.reserve(regions.size());
+        for (const auto& region_obj : regions) {
+          auto region = region_obj.cast<py::tuple>();
+          views.push_back(view_of(region[0], region.size() > 1 ? py::object(region[1]) : py::object(py::none()), false, keep));
+          seeds.push_back(region.size() > 2 ? region[2].cast<uint32_t>() : 0u);
+        }
+        std::vector<uint32_t> crcs(views.size());
+        {
+          py::gil_scoped_release release;
+          engine.pool().run_batch(views.size(), [&](size_t i, int) { crcs[i] = fastdcp::crc32c(views[i].data, views[i].size, seeds[i]); });
+        }
+        return crcs;
+      },
+      py::arg("regions"), "CRC-32C of each region, computed in parallel on the engine's threads.")
     .def(
       "sync",
       [](Engine& engine, const std::vector<std::shared_ptr<File>>& files, bool data_only) {
