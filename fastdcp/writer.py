@@ -1,23 +1,42 @@
 """FastFileSystemWriter: stock DCP's file layout, written by the native engine.
 
-Each rank writes the same files stock ``FileSystemWriter`` would (``__{rank}_{i}.distcp``, one per
-``thread_count`` bucket, or one per item), each tensor as a complete ``torch.save``-compatible zip
-blob, so stock DCP reads the result. What differs is how the bytes get there: the file is planned
-as an image (blob headers, tensor bytes at 4096-aligned offsets, blob trailers) and the engine
-writes it with parallel, O_DIRECT-capable positional writes straight from tensor memory, with no
-per-tensor ``torch.save`` and no CRC pass.
+Each rank writes the files stock ``FileSystemWriter`` would (one per ``thread_count`` bucket, or one
+per item), each tensor as a complete ``torch.save``-compatible zip blob, so stock DCP reads the
+result. What differs is how the bytes get there: the file is planned as an image (blob headers,
+tensor bytes at 4096-aligned offsets, blob trailers) and the engine writes it with parallel,
+O_DIRECT-capable positional writes straight from tensor memory, with no per-tensor ``torch.save``
+and no CRC pass.
+
+Crash consistency (docs/GUARANTEES.md). Data files get save-unique names,
+``__{rank}_{token}_{i}.distcp``, where ``token`` is 8 random hex digits the coordinator picks per
+save (so a save never touches the files the current ``.metadata`` points at). Commit protocol, on
+the coordinator, after every rank has fsynced its data files: fsync the directory, write
+``.metadata.{token}.tmp``, fsync it, ``rename`` it over ``.metadata`` (atomic: there is never a
+moment without a valid ``.metadata``), fsync the directory, and only then delete what the new
+``.metadata`` does not reference: data files named like ours or stock's (``__{rank}_{i}.distcp``,
+``__{rank}_{token}_{i}.distcp``) and stale metadata temp files (``.metadata.tmp``,
+``.metadata.{token}.tmp``, and the ``__{rank}.`` variants). No other file is ever removed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import inspect
 import io
 import os
+import pickle
+import re
+import secrets
+import time
+import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint.filesystem as _stock_fs
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystemWriter,
@@ -115,6 +134,101 @@ def _tensor_for_writing(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# --------------------------------------------------------------------------------------------- #
+# Save-unique naming, the commit protocol's helpers, and the cleanup rule.
+
+_METADATA_NAME = ".metadata"  # stock's _metadata_fn
+_TOKEN_HEX = 8
+# A prefix this writer generated: "__{rank}_{token}_". Only files under such a prefix are ever
+# removed after a failed save (they cannot belong to any other save: the token is checked unique).
+_OWNED_PREFIX_RE = re.compile(rf"^__(\d+)_([0-9a-f]{{{_TOKEN_HEX}}})_$")
+# Data files as stock (__{rank}_{i}.distcp) or fastdcp (__{rank}_{token}_{i}.distcp) name them.
+_DATA_FILE_RE = re.compile(rf"^__(\d+)_(?:[0-9a-f]{{{_TOKEN_HEX}}}_)?\d+{re.escape(DEFAULT_SUFFIX)}$")
+# Metadata temp files: stock's (.metadata.tmp, __{rank}.metadata.tmp) and ours (.{token}.tmp).
+_METADATA_TMP_RE = re.compile(rf"^(?:__(\d+))?\.metadata(?:\.[0-9a-f]{{{_TOKEN_HEX}}})?\.tmp$")
+_RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
+
+
+def _new_token(directory: str) -> str:
+    """A token no file in ``directory`` carries yet, so this save's names are unique there."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        names = []
+    while True:
+        token = secrets.token_hex(_TOKEN_HEX // 2)
+        if not any(f"_{token}_" in name or f".{token}." in name for name in names):
+            return token
+
+
+def _test_pause(phase: str) -> None:
+    """Test hook: with ``FASTDCP_TEST_PAUSE_AT`` naming ``phase`` (comma-separated list), note the
+    phase in the file ``FASTDCP_TEST_PAUSE_NOTIFY`` (if set) and sleep ``FASTDCP_TEST_PAUSE_S``
+    seconds (default 60), so a crash test can SIGKILL the process exactly there. Phases: ``plan``,
+    ``open``, ``write``, ``sync``, ``commit``, ``cleanup``, ``cleanup_mid``."""
+    wanted = os.environ.get("FASTDCP_TEST_PAUSE_AT")
+    if not wanted or phase not in wanted.split(","):
+        return
+    notify = os.environ.get("FASTDCP_TEST_PAUSE_NOTIFY")
+    if notify:
+        with open(notify, "a") as f:
+            f.write(f"{phase} {os.getpid()}\n")
+    time.sleep(float(os.environ.get("FASTDCP_TEST_PAUSE_S", "60")))
+
+
+def _fsync_directory(path: str) -> None:
+    """Make the directory entries (data files, the renamed .metadata) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # best effort: the next successful save removes it
+
+
+class _StorageNamesUnpickler(pickle.Unpickler):
+    """Reads another ``.metadata`` in the directory only to learn which files it references. Builds
+    nothing but torch's DCP classes and the few value types their pickles name; refuses the rest."""
+
+    _ALLOWED = frozenset(
+        {
+            ("collections", "OrderedDict"),
+            ("builtins", "set"),
+            ("builtins", "frozenset"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "Path"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED or module.startswith("torch.distributed.checkpoint."):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def _referenced_files(path: str) -> set[str] | None:
+    """The data files a metadata file references, or None when it cannot be read safely."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _StorageNamesUnpickler(f).load()
+        return {info.relative_path for info in metadata.storage_data.values()}
+    except Exception:  # noqa: BLE001 - unreadable for any reason: the caller stays conservative
+        return None
+
+
 class FastFileSystemWriter(FileSystemWriter):
     """Drop-in replacement for :class:`torch.distributed.checkpoint.FileSystemWriter`.
 
@@ -172,6 +286,7 @@ class FastFileSystemWriter(FileSystemWriter):
         self.io_options = IoOptions.resolve(
             direct_io=direct_io, default_direct_io=True, io_threads=io_threads, task_bytes=task_bytes
         )
+        self._save_token: str | None = None  # this save's file-name token (see prepare_global_plan)
 
     def _stock_writes_everything(self) -> bool:
         transforms = getattr(self, "transforms", None)
@@ -180,10 +295,79 @@ class FastFileSystemWriter(FileSystemWriter):
         fmt = getattr(self, "serialization_format", None)
         return SerializationFormat is not None and fmt is not None and fmt != SerializationFormat.TORCH_SAVE
 
+    # ----------------------------------------------------------------------------------------- #
+    # Planning: save-unique file names.
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._save_token = None
+
+    def _rank_local(self) -> bool:
+        """``dcp.save(use_collectives=False)``: every rank commits its own ``__{rank}.metadata``."""
+        return not getattr(self, "use_collectives", True) and getattr(self, "rank", None) is not None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        plan = super().prepare_local_plan(plan)  # mkdir, overwrite check, stock's rank-local prefix
+        if self._rank_local() and isinstance(plan.storage_data, _StoragePrefix):
+            if plan.storage_data.prefix == f"__{self.rank}_":
+                self._save_token = _new_token(str(self.path))
+                plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_{self._save_token}_"))
+                _test_pause("plan")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if all(plan.storage_data is not None for plan in plans):
+            return super().prepare_global_plan(plans)  # rank-local prefixes were chosen already
+        self._save_token = _new_token(str(self.path))
+        new_plans = [
+            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{self._save_token}_"))
+            if plan.storage_data is None
+            else plan
+            for i, plan in enumerate(plans)
+        ]
+        _test_pause("plan")
+        return new_plans
+
+    # ----------------------------------------------------------------------------------------- #
+    # Writing data files.
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self._stock_writes_everything():
-            return super().write_data(plan, planner)
         storage_plan: _StoragePrefix = plan.storage_data
+        try:
+            if self._stock_writes_everything():
+                return super().write_data(plan, planner)
+            return self._write_data_fast(storage_plan, plan, planner)
+        except BaseException as error:
+            # Drop what the failed save holds (file images, staged copies) before the exception
+            # travels on: DCP keeps it, with its frames, inside a CheckpointException.
+            if error.__traceback__ is not None:
+                traceback.clear_frames(error.__traceback__.tb_next)
+            self._remove_partial_files(storage_plan.prefix)
+            directory = str(self.path)
+            if isinstance(error, FileNotFoundError) and not os.path.isdir(directory):
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"checkpoint directory '{directory}' disappeared before this save could write its data "
+                    f"files ({error})",
+                    directory,
+                ) from error
+            raise
+
+    def _remove_partial_files(self, prefix: str) -> None:
+        """Best effort: delete the data files of a failed save. Only under a prefix this writer
+        generated (save-unique), so no file of an existing checkpoint is touched."""
+        if not _OWNED_PREFIX_RE.match(prefix):
+            return
+        directory = str(self.path)
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(prefix) and name.endswith(DEFAULT_SUFFIX):
+                _remove_quietly(os.path.join(directory, name))
+
+    def _write_data_fast(self, storage_plan: _StoragePrefix, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.single_file_per_rank:
             buckets = _split_by_size_and_type(self.thread_count, list(plan.items))
         else:
@@ -245,13 +429,16 @@ class FastFileSystemWriter(FileSystemWriter):
                     # tmpfs preallocation would zero every page before it is written.
                     handle.allocate(-(-f.size // DIRECT_ALIGN) * DIRECT_ALIGN)
                 jobs.append((handle, 0, f.size, f.segments))
+            _test_pause("open")
             engine.write(jobs)
             for f, handle in zip(files, handles):
                 handle.truncate(f.size)  # drop the O_DIRECT padding of the last block
+            _test_pause("write")
             if self.sync_files:
                 engine.sync(handles, False)
             for handle in handles:
                 handle.close()
+            _test_pause("sync")
         finally:
             for handle in handles:
                 if not handle.closed:
@@ -260,17 +447,101 @@ class FastFileSystemWriter(FileSystemWriter):
                     except OSError:
                         pass  # the original error is the one to report
 
+    # ----------------------------------------------------------------------------------------- #
+    # Commit: atomic metadata swap, then cleanup.
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
+        """Commit the save (coordinator only, after every rank's data files are durable).
+
+        Unlike stock (which removes ``.metadata`` and then renames the temp file over it), the new
+        metadata is renamed straight over the old one, so every instant has a valid ``.metadata``
+        naming files that exist: the old checkpoint's until the rename, the new one's after it."""
+        version = getattr(_stock_fs, "CURRENT_DCP_VERSION", None)
+        if version is not None:
+            metadata.version = version
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+
+        directory = str(self.path)
+        rank_local = self._rank_local()
+        metadata_name = f"__{self.rank}{_METADATA_NAME}" if rank_local else _METADATA_NAME
+        token = self._save_token or _new_token(directory)
+        tmp_path = os.path.join(directory, f"{metadata_name}.{token}.tmp")
+        metadata_path = os.path.join(directory, metadata_name)
+        new_files = {info.relative_path for info in storage_md.values()}
+
+        committed = False
+        try:
+            if self.sync_files:
+                _fsync_directory(directory)  # the data files' entries, before anything names them
+            with open(tmp_path, "wb") as f:
+                pickle.dump(metadata, f)
+                f.flush()
+                if self.sync_files:
+                    os.fsync(f.fileno())
+            _test_pause("commit")
+            os.replace(tmp_path, metadata_path)
+            committed = True
+        except BaseException:
+            if not committed:
+                # Nothing references this save's files: remove them and the temp file (best effort).
+                _remove_quietly(tmp_path)
+                for name in new_files:
+                    if f"_{token}_" in name and _DATA_FILE_RE.match(name):
+                        _remove_quietly(os.path.join(directory, name))
+            raise
         if self.sync_files:
-            _fsync_directory(str(self.path))
+            _fsync_directory(directory)  # the commit is durable before anything old is removed
+        _test_pause("cleanup")
+        self._remove_unreferenced(directory, new_files, rank_local)
 
-
-def _fsync_directory(path: str) -> None:
-    """Make the directory entries (data files, the renamed .metadata) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
+    def _remove_unreferenced(self, directory: str, keep: set[str], rank_local: bool) -> None:
+        """Delete leftovers: data files (stock or fastdcp naming) and metadata temp files that no
+        metadata in the directory references. Rank-local saves (``use_collectives=False``) only
+        touch their own rank's files. Errors here never fail the (already committed) save."""
+        try:
+            names = os.listdir(directory)
+        except OSError as error:
+            warnings.warn(f"fastdcp: could not list {directory} to remove old checkpoint files: {error}", stacklevel=3)
+            return
+        protected = set(keep)
+        # Metadata of the other kind (global vs rank-local) may describe another live checkpoint
+        # in the same directory: never delete what it references.
+        if rank_local:
+            others = [_METADATA_NAME] if _METADATA_NAME in names else []
+        else:
+            others = [n for n in names if _RANK_METADATA_RE.match(n)]
+        remove_data = True
+        for name in others:
+            refs = _referenced_files(os.path.join(directory, name))
+            if refs is None:
+                remove_data = False  # cannot tell what it needs: keep every data file
+                warnings.warn(
+                    f"fastdcp: kept every old data file in {directory}: {name} could not be read safely, "
+                    "so it is unknown which of them it references",
+                    stacklevel=3,
+                )
+            else:
+                protected |= refs
+        removed = 0
+        for name in sorted(names):
+            data = _DATA_FILE_RE.match(name)
+            tmp = None if data else _METADATA_TMP_RE.match(name)
+            match = data or tmp
+            if match is None or name in protected or (data and not remove_data):
+                continue
+            if rank_local and match.group(1) != str(self.rank):
+                continue
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                warnings.warn(f"fastdcp: could not remove old checkpoint file {name}: {error}", stacklevel=3)
+                continue
+            removed += 1
+            if removed == 1:
+                _test_pause("cleanup_mid")
