@@ -25,12 +25,15 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from . import _C
 from ._blob import BlobFormatError, TensorBlobInfo, parse_tensor_blob
-from ._engine import IoOptions, get_engine
+from ._engine import IoOptions, _env_flag, get_engine
+from . import _integrity
+from ._metadata import check_data_paths, check_file_extents, file_extents, load_metadata, resolve_data_file
 from ._placement import Placement, plan_placement, run_placements
 
 __all__ = ["FastFileSystemReader"]
@@ -67,6 +70,10 @@ class FastFileSystemReader(FileSystemReader):
             disk; environment ``FASTDCP_DIRECT_IO``).
         io_threads, task_bytes: engine workers and request split size.
         memory_budget_bytes: the most staging memory held at once (default 512 MiB).
+        allow_unsafe_metadata: unpickle ``.metadata`` with plain :mod:`pickle` (default False).
+            By default only stock DCP metadata classes are built and a file naming anything
+            else is refused (plain pickle runs whatever code the file names); set True only
+            for a trusted checkpoint whose metadata holds custom classes.
     """
 
     def __init__(
@@ -78,6 +85,8 @@ class FastFileSystemReader(FileSystemReader):
         io_threads: int | None = None,
         task_bytes: int | None = None,
         memory_budget_bytes: int | None = None,
+        allow_unsafe_metadata: bool = False,
+        verify_checksums: bool | None = None,
     ) -> None:
         if _extension_registry is not None and "_extension_registry" not in _STOCK_INIT_PARAMS:
             raise TypeError("this torch's FileSystemReader does not support _extension_registry")
@@ -94,6 +103,10 @@ class FastFileSystemReader(FileSystemReader):
         )
         self.last_stats: dict[str, int] = {}
         self._direct = False
+        self.allow_unsafe_metadata = bool(allow_unsafe_metadata)
+        env_verify = _env_flag("FASTDCP_VERIFY_CHECKSUMS")
+        self.verify_checksums = bool(verify_checksums if verify_checksums is not None else (env_verify or False))
+        self._extents: tuple[Any, dict] | None = None  # (storage_data, file_extents(storage_data))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         stock_items: list[ReadItem] = []
@@ -112,20 +125,41 @@ class FastFileSystemReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Stock ``read_metadata`` (``.metadata``, or ``__{rank}.metadata`` with ``rank=``), read
+        through :func:`fastdcp._metadata.load_metadata`: restricted unpickling unless
+        ``allow_unsafe_metadata``, then structural validation and a check that no data file
+        path leads out of the checkpoint; errors name the file."""
+        metadata = load_metadata(self.path, rank=kwargs.get("rank"), allow_unsafe=self.allow_unsafe_metadata)
+        # Every data file the metadata names must stay inside the checkpoint (stock code reads
+        # the items fastdcp hands back to it, so this is checked up front, not only in _open).
+        check_data_paths(self.path, metadata.storage_data)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
     def _open(self, relative_path: str) -> _C.File:
-        path = str(self.fs.concat_path(self.path, relative_path))
+        # Refuses paths leading out of the checkpoint (absolute, "..", symlinks), non-regular
+        # files, and (before anything is allocated) byte ranges past the end of the file.
+        path = resolve_data_file(self.path, relative_path)
+        file = _C.File(path, "r", self._direct)
         try:
-            return _C.File(path, "r", self._direct)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"checkpoint file '{path}' named in the checkpoint metadata does not exist"
-            ) from None
+            if self._extents is None or self._extents[0] is not self.storage_data:
+                self._extents = (self.storage_data, file_extents(self.storage_data))
+            check_file_extents(self._extents[1], relative_path, path, file.size())
+        except BaseException:
+            file.close()
+            raise
+        return file
 
     def _read_native(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
         started = time.perf_counter()
         engine = get_engine(self.io_options)
         self._direct = self.io_options.direct_for(str(self.path))
         files = {rel: self._open(rel) for rel in per_file}
+        if self.verify_checksums:
+            self._verify(engine, files, per_file)
         # Blobs that are valid torch.save archives but not one plain strided tensor (quantized,
         # sparse, ...): stock's torch.load(weights_only=True) reads those items.
         unparsed: list[tuple[ReadItem, BlobFormatError]] = []
@@ -163,6 +197,14 @@ class FastFileSystemReader(FileSystemReader):
                 super().read_data(LoadPlan([item for item, _ in unparsed]), planner).wait()
             except BaseException as stock_error:  # CheckpointException is a BaseException
                 raise unparsed[0][1] from stock_error
+
+    def _verify(self, engine: _C.Engine, files: dict[str, _C.File], per_file: dict[str, list[ReadItem]]) -> None:
+        """Check the items this load reads against their recorded checksums; raise on mismatch."""
+        wanted = {item.storage_index: self.storage_data[item.storage_index] for items in per_file.values() for item in items}
+        items = _integrity.checksummed_items(wanted)
+        problems = _integrity.verify_checksums(engine, files, items, self.io_options.memory_budget_bytes)
+        if problems:
+            raise _integrity.ChecksumError("; ".join(problems))
 
     def _read_windows(
         self, engine: _C.Engine, files: dict[str, _C.File], per_file: dict[str, list[ReadItem]]

@@ -1,0 +1,790 @@
+"""Load a DCP checkpoint's ``.metadata`` without trusting it, and resolve its data files safely.
+
+Stock ``FileSystemReader.read_metadata`` is ``pickle.load``: a checkpoint downloaded from anywhere
+can run arbitrary code the moment it is opened, and its ``relative_path`` entries are joined to the
+checkpoint directory unchecked (``../x``, ``/etc/passwd``, symlinks leading out are all followed).
+This module is the hostile-input boundary for everything fastdcp reads that is not a tensor blob
+(blobs are :mod:`fastdcp._blob`'s job):
+
+* :func:`load_metadata` / :func:`parse_metadata` unpickle with an allow-list of exactly what
+  stock DCP writes (the ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``,
+  dtypes, layouts, the memory-format enum, ``pathlib`` paths, plain containers), after a scan of
+  the opcode stream that refuses memory bombs (memo indices and declared lengths larger than the
+  file) and opcodes a metadata pickle never needs (persistent ids, extension codes, out-of-band
+  buffers). Nothing outside the objects the load itself creates can be modified: allow-listed
+  functions and the enum resolve to inert per-load stand-ins, and the dataclasses to per-load
+  subclasses (a ``BUILD`` opcode aimed at a class object tampers with a throwaway class), whose
+  instances are switched to the real classes once the load is done. Then the structure is
+  validated (types, byte ranges, chunk boxes inside their tensors). ``allow_unsafe=True`` is the
+  explicit opt-out: plain ``pickle`` (for checkpoints with custom planner or storage classes);
+  the structural validation still runs.
+* :func:`check_relative_path` / :func:`check_data_paths` refuse a ``relative_path`` that could
+  lead out of the checkpoint directory: absolute paths, ``..``, NUL bytes, empty names, symlinks
+  leading out; :func:`resolve_data_file` also requires an existing regular file (a FIFO would
+  block the reader forever).
+* :func:`check_file_extents` checks every byte range the metadata places in one data file against
+  the file's size, so a truncated file or an absurd length fails before anything is allocated.
+
+Errors are :class:`CheckpointFormatError` (a ``ValueError``); a missing directory, ``.metadata``
+or data file is :class:`CheckpointNotFoundError`, which is also a ``FileNotFoundError`` (what stock
+raises, so ``except FileNotFoundError`` keeps working). Every message names the file.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pathlib
+import pickle
+import re
+import stat
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+__all__ = [
+    "METADATA_NAME",
+    "CHECKSUM_ATTRIBUTE",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "metadata_path",
+    "load_metadata",
+    "parse_metadata",
+    "check_relative_path",
+    "resolve_data_file",
+    "check_data_paths",
+    "check_file_extents",
+    "file_extents",
+]
+
+METADATA_NAME = ".metadata"  # stock's filesystem._metadata_fn
+# The CRC-32C a fastdcp writer may record on each _StorageInfo (writer.CHECKSUM_ATTRIBUTE; not
+# imported from there to keep this module free of the engine).
+CHECKSUM_ATTRIBUTE = "fastdcp_crc32c"
+# Byte offsets and lengths beyond this cannot be real (and would overflow the engine's int64).
+_MAX_FILE_OFFSET = 1 << 62
+_MAX_NDIM = 1024
+_SHOW = 200  # characters of a hostile value shown in an error message
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint (its ``.metadata`` or a data file) is damaged, hostile or not a DCP
+    checkpoint; the message names the file and the problem."""
+
+
+class CheckpointNotFoundError(CheckpointFormatError, FileNotFoundError):
+    """The checkpoint directory, its ``.metadata`` or a data file it names does not exist."""
+
+
+def _show(value: Any) -> str:
+    """A bounded ``repr`` for error messages (hostile values can be megabytes long)."""
+    t = type(value)
+    if t is int:
+        text = repr(value) if value.bit_length() < 256 else f"<int of {value.bit_length()} bits>"
+    elif t is str or t is bytes:
+        text = repr(value[: _SHOW + 1])
+    elif t in (float, bool, type(None)):
+        text = repr(value)
+    elif (
+        t in (tuple, list, torch.Size)
+        and len(value) <= 16
+        and all(type(v) is int and v.bit_length() < 256 for v in value)
+    ):
+        text = repr(tuple(value))
+    else:
+        text = f"<{t.__name__}>"
+    return text if len(text) <= _SHOW else text[:_SHOW] + "..."
+
+
+def metadata_path(checkpoint_dir: str | os.PathLike, rank: int | None = None) -> str:
+    """Where stock DCP keeps the metadata: ``.metadata``, or ``__{rank}.metadata`` for a save
+    without rank coordination (``read_metadata(rank=...)``)."""
+    name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+    return os.path.join(os.fspath(checkpoint_dir), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Opcode scan: refuse memory bombs and opcodes a metadata pickle never contains, before the C
+# unpickler sees the bytes.
+# ---------------------------------------------------------------------------------------------
+
+_NL = -1  # argument up to a newline
+_NL2 = -10  # two newline-terminated lines (GLOBAL, INST)
+_LEN1, _LEN4S, _LEN4U, _LEN8U = -2, -3, -4, -5  # length-prefixed argument
+_REFUSED = -99
+
+
+def _build_opcode_table() -> list[int | None]:
+    import pickletools
+
+    table: list[int | None] = [None] * 256
+    for op in pickletools.opcodes:
+        code = ord(op.code)
+        if op.arg is None:
+            table[code] = 0
+        elif op.name in ("GLOBAL", "INST"):
+            table[code] = _NL2
+        else:
+            table[code] = op.arg.n  # >= 0 fixed, or pickletools' UP_TO_NEWLINE/TAKEN_FROM_* codes
+    # Persistent ids (no metadata has storages), the copyreg extension registry (process-global
+    # state) and out-of-band buffers (never passed) have no place in a metadata pickle.
+    for name in ("PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER"):
+        (op,) = [o for o in pickletools.opcodes if o.name == name]
+        table[ord(op.code)] = _REFUSED
+    assert pickletools.UP_TO_NEWLINE == _NL and pickletools.TAKEN_FROM_ARGUMENT1 == _LEN1
+    assert pickletools.TAKEN_FROM_ARGUMENT4 == _LEN4S and pickletools.TAKEN_FROM_ARGUMENT4U == _LEN4U
+    assert pickletools.TAKEN_FROM_ARGUMENT8U == _LEN8U
+    return table
+
+
+_OPCODES = _build_opcode_table()
+_MEMO_BIN = {ord("r")}  # LONG_BINPUT (the other fixed-size memo opcodes index at most 256 entries)
+_MEMO_TEXT = {ord("p"), ord("g")}  # PUT GET (decimal line)
+_STOP = ord(".")
+_MAX_LINE = 1 << 16
+
+
+class _Reject(Exception):
+    """Internal: the pickle contains something a DCP metadata pickle does not."""
+
+
+def _build_fast_skip() -> re.Pattern[bytes]:
+    """A regex matching a run of opcodes that need no check: no argument, or a fixed-size one
+    that sizes nothing (BINPUT's one-byte index is below 256). Alternatives are told apart by
+    their first byte, so matching is linear; it moves ~98% of a metadata pickle's opcodes out
+    of the Python loop."""
+    groups: dict[int, list[int]] = {}
+    for code, kind in enumerate(_OPCODES):
+        if kind is None or kind < 0 or code in (_STOP, _LONG_BINPUT, _FRAME):
+            continue
+        groups.setdefault(kind, []).append(code)
+    alternatives = []
+    for width, codes in sorted(groups.items()):
+        cls = b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]"
+        alternatives.append(cls + (b".{%d}" % width if width else b""))
+    body = b"(?:" + b"|".join(alternatives) + b")"
+    try:
+        return re.compile(body + b"*+", re.DOTALL)  # possessive (Python 3.11+): no backtracking state
+    except re.error:  # pragma: no cover - Python 3.10
+        return re.compile(body + b"*", re.DOTALL)
+
+
+_LONG_BINPUT = ord("r")
+_FRAME = 0x95
+_FAST_SKIP = _build_fast_skip()
+
+
+def _scan_opcodes(data: bytes) -> None:
+    """Walk the opcode stream; raise _Reject for a refused opcode, a declared length or memo
+    index larger than the data (a few bytes could otherwise make the C unpickler allocate
+    gigabytes: a LONG_BINPUT index sizes the memo table, BINBYTES8 preallocates its length), or
+    a stream without STOP."""
+    n = len(data)
+    table = _OPCODES
+    skip = _FAST_SKIP.match
+    p = 0
+    unpack4u = struct.Struct("<I").unpack_from
+    unpack4s = struct.Struct("<i").unpack_from
+    unpack8 = struct.Struct("<Q").unpack_from
+    while True:
+        p = skip(data, p).end()
+        if p >= n:
+            break
+        op = data[p]
+        kind = table[op]
+        p += 1
+        if kind == 0:
+            if op == _STOP:
+                return  # like pickle.load, trailing bytes are ignored
+            continue  # (refused no-argument opcodes are _REFUSED, not 0)
+        if kind is None:
+            raise _Reject(f"invalid pickle opcode 0x{op:02x} at byte {p - 1}")
+        if kind > 0:
+            if p + kind > n:
+                break
+            if op in _MEMO_BIN:
+                index = data[p] if kind == 1 else unpack4u(data, p)[0]
+                if index >= n:
+                    raise _Reject(f"memo index {index} at byte {p - 1} exceeds the pickle's size ({n} bytes)")
+            elif op == _FRAME and unpack8(data, p)[0] > n - p - kind:
+                raise _Reject(f"pickle frame at byte {p - 1} is longer than the data that follows (truncated or damaged)")
+            p += kind
+        elif kind == _NL or kind == _NL2:
+            for _ in range(2 if kind == _NL2 else 1):
+                q = data.find(b"\n", p, p + _MAX_LINE)
+                if q < 0:
+                    raise _Reject(f"unterminated or overlong text argument at byte {p - 1}")
+                if op in _MEMO_TEXT:
+                    try:
+                        index = int(data[p:q])
+                    except ValueError:
+                        raise _Reject(f"malformed memo index at byte {p - 1}") from None
+                    if not 0 <= index < n:
+                        raise _Reject(f"memo index {index} at byte {p - 1} exceeds the pickle's size ({n} bytes)")
+                p = q + 1
+        elif kind == _REFUSED:
+            raise _Reject(f"pickle opcode 0x{op:02x} at byte {p - 1} is not allowed in DCP metadata")
+        else:
+            width = 1 if kind == _LEN1 else 8 if kind == _LEN8U else 4
+            if p + width > n:
+                break
+            if kind == _LEN1:
+                length = data[p]
+            elif kind == _LEN4S:
+                length = unpack4s(data, p)[0]
+            elif kind == _LEN4U:
+                length = unpack4u(data, p)[0]
+            else:
+                length = unpack8(data, p)[0]
+            p += width
+            if length < 0 or length > n - p:
+                raise _Reject(
+                    f"pickle argument at byte {p - width - 1} declares {length} bytes but only {n - p} follow "
+                    f"(truncated or damaged)"
+                )
+            p += length
+    raise _Reject(f"the pickle is truncated (it ends at byte {n} without a STOP opcode)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The restricted unpickler.
+# ---------------------------------------------------------------------------------------------
+
+
+class _Inert:
+    """Base of the per-load stand-ins: no ``__dict__``, no settable attributes, so a ``BUILD``
+    opcode aimed at one fails instead of changing it."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise _Reject("the pickle tries to set an attribute on an allow-listed function")
+
+    def __delattr__(self, name: str) -> None:
+        raise _Reject("the pickle tries to delete an attribute of an allow-listed function")
+
+
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
+class _LayoutCall(_Inert):
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> torch.layout:
+        if len(args) != 1 or type(args[0]) is not str or args[0] not in _LAYOUTS:
+            raise _Reject("torch.serialization._get_layout(...) with an argument that is not a layout name")
+        return _LAYOUTS[args[0]]
+
+
+class _MemFormatToken(int):
+    """Stands in for a ``metadata._MEM_FORMAT_ENCODING`` member (the real members are shared,
+    mutable singletons a ``BUILD`` could tamper with). Only the per-load ``TensorProperties``
+    subclass's ``__setstate__`` consumes it."""
+
+    __slots__ = ()
+
+
+_MEM_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
+
+
+class _MemFormatCall(_Inert):
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> _MemFormatToken:
+        if len(args) != 1 or type(args[0]) is not int or args[0] not in _MEM_FORMATS:
+            raise _Reject("_MEM_FORMAT_ENCODING(...) with an unknown value")
+        return _MemFormatToken(args[0])
+
+
+_PATH_CLASSES = {
+    name: getattr(pathlib, name) for name in ("PurePath", "PurePosixPath", "PureWindowsPath", "Path", "PosixPath")
+}
+
+
+class _PathCall(_Inert):
+    """``pathlib`` paths (``StorageMeta.checkpoint_id`` when the writer got a ``Path``); building
+    one from strings touches no filesystem. A Windows path becomes a PureWindowsPath."""
+
+    __slots__ = ("_cls_name",)
+
+    def __init__(self, cls_name: str) -> None:
+        object.__setattr__(self, "_cls_name", cls_name)
+
+    def __call__(self, *args: Any) -> pathlib.PurePath:
+        if not all(type(a) is str for a in args) or sum(map(len, args)) > 1 << 16:
+            raise _Reject(f"pathlib.{self._cls_name}(...) with arguments other than strings")
+        cls = _PATH_CLASSES.get(self._cls_name, pathlib.PureWindowsPath)
+        return cls(*args)
+
+
+def _tensor_properties_setstate(self: Any, state: Any) -> None:
+    # metadata.TensorProperties.__setstate__, taking the memory-format token instead of the enum.
+    if type(state) is tuple and len(state) == 5:
+        dtype, layout, requires_grad, encoding, pin_memory = state
+        if type(encoding) is not _MemFormatToken:
+            raise _Reject("TensorProperties state with an invalid memory format encoding")
+        d = object.__getattribute__(self, "__dict__")
+        d.update(
+            dtype=dtype,
+            layout=layout,
+            requires_grad=requires_grad,
+            memory_format=_MEM_FORMATS[int(encoding)],
+            pin_memory=pin_memory,
+        )
+    elif type(state) is dict and all(type(k) is str for k in state):  # a plain dataclass pickle
+        object.__getattribute__(self, "__dict__").update(state)
+    else:
+        raise _Reject("TensorProperties state of an unexpected form")
+
+
+class _FrozenMeta(type):
+    """Metaclass of the per-load subclasses: a ``BUILD`` aimed at the class object fails."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise _Reject(f"the pickle tries to set attribute {name[:_SHOW]!r} on class {cls.__name__}")
+
+    def __delattr__(cls, name: str) -> None:
+        raise _Reject(f"the pickle tries to delete attribute {name[:_SHOW]!r} of class {cls.__name__}")
+
+
+_MD_MODULE = "torch.distributed.checkpoint.metadata"
+_FS_MODULE = "torch.distributed.checkpoint.filesystem"
+# The dataclasses a stock .metadata instantiates (each becomes a per-load subclass).
+_REAL_CLASSES: dict[tuple[str, str], type] = {
+    (_MD_MODULE, name): getattr(_md, name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+    )
+    if hasattr(_md, name)
+}
+_REAL_CLASSES[(_FS_MODULE, "_StorageInfo")] = _StorageInfo
+
+# Shared values handed out as they are: immutable (no __dict__, no settable attributes).
+_VALUES: dict[tuple[str, str], Any] = {
+    ("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype) and not n.startswith("_")
+}
+_VALUES.update(
+    {
+        # torch.Size is an immutable C type; it refuses non-integer and out-of-range elements.
+        ("torch", "Size"): torch.Size,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+    }
+)
+_PATH_NAMES = ("PurePath", "PurePosixPath", "PureWindowsPath", "Path", "PosixPath", "WindowsPath")
+_ALLOWED_TEXT = (
+    "the torch.distributed.checkpoint metadata classes, torch.Size, dtypes, layouts and pathlib paths"
+)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only allow-listed globals; every mutable thing it hands out is private to this load.
+
+    The metadata dataclasses resolve to frozen per-load subclasses whose ``__new__`` records each
+    instance; :meth:`adopt` switches those instances to the real classes after the load.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.shadows: dict[type, type] = {}  # per-load subclass -> real class
+        self.instances: list[Any] = []
+        self._resolved: dict[tuple[str, str], Any] = {}
+
+    def _shadow(self, real: type) -> type:
+        instances = self.instances
+
+        def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+            obj = object.__new__(cls)
+            instances.append(obj)
+            return obj
+
+        namespace: dict[str, Any] = {
+            "__slots__": (),
+            "__module__": real.__module__,
+            "__qualname__": real.__qualname__,
+            "__new__": __new__,
+        }
+        if real is getattr(_md, "TensorProperties", None):
+            namespace["__setstate__"] = _tensor_properties_setstate
+        sub = _FrozenMeta(real.__name__, (real,), namespace)
+        self.shadows[sub] = real
+        return sub
+
+    def find_class(self, module: str, name: str) -> Any:
+        if type(module) is not str or type(name) is not str:
+            raise _Reject("malformed global reference")
+        key = (module, name)
+        hit = self._resolved.get(key)
+        if hit is not None:
+            return hit
+        if key in _REAL_CLASSES:
+            hit = self._shadow(_REAL_CLASSES[key])
+        elif key in _VALUES:
+            hit = _VALUES[key]
+        elif key == ("torch.serialization", "_get_layout"):
+            hit = _LayoutCall()
+        elif key == (_MD_MODULE, "_MEM_FORMAT_ENCODING"):
+            hit = _MemFormatCall()
+        elif module in ("pathlib", "pathlib._local") and name in _PATH_NAMES:
+            hit = _PathCall(name)
+        else:
+            raise _Reject(
+                f"refusing to load disallowed global {module[:_SHOW]}.{name[:_SHOW]} (a DCP .metadata holds only "
+                f"{_ALLOWED_TEXT}; pass allow_unsafe_metadata=True only for a checkpoint you trust)"
+            )
+        self._resolved[key] = hit
+        return hit
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Reject("the pickle has a persistent id (DCP metadata has none)")
+
+    def adopt(self) -> None:
+        """Give every instance the load created its real class (same layout: the subclasses
+        add no slots)."""
+        shadows = self.shadows
+        for obj in self.instances:
+            real = shadows.get(type(obj))
+            if real is None:  # pragma: no cover - __class__ can only be set to another shadow
+                raise _Reject(f"an object of the pickle changed its class to {type(obj).__name__}")
+            object.__setattr__(obj, "__class__", real)
+        self.instances.clear()
+
+
+def _unpickle_restricted(data: bytes) -> Any:
+    _scan_opcodes(data)
+    up = _RestrictedUnpickler(data)
+    try:
+        obj = up.load()
+    finally:
+        up.adopt()  # also on failure: nothing the caller might still see keeps a per-load class
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _int_seq(value: Any) -> tuple[int, ...] | None:
+    """The value (a torch.Size, tuple or list) as a tuple of non-negative ints, or None."""
+    t = type(value)
+    if t is torch.Size:  # elements are ints by construction
+        if len(value) <= _MAX_NDIM and (not value or min(value) >= 0):
+            return value
+        return None
+    if not isinstance(value, (torch.Size, tuple, list)) or len(value) > _MAX_NDIM:
+        return None
+    if not all(type(v) is int and v >= 0 for v in value):
+        return None
+    return tuple(value)
+
+
+def _validate(md: Any, where: str) -> None:
+    """Raise CheckpointFormatError unless ``md`` is Metadata whose entries a reader can trust.
+
+    Classes are checked with isinstance: in the restricted mode only the stock classes exist
+    (the per-load subclasses are gone by now); with allow_unsafe, subclasses are accepted.
+    """
+    M = _md
+
+    def fail(msg: str) -> None:
+        raise CheckpointFormatError(f"{where}: {msg}")
+
+    if not isinstance(md, M.Metadata):
+        fail(f"does not hold DCP Metadata (found a {type(md).__name__})")
+    sdm = getattr(md, "state_dict_metadata", None)
+    if not isinstance(sdm, dict):
+        fail(f"state_dict_metadata is a {type(sdm).__name__}, not a dict")
+    TSM, BSM, CSM, TP = M.TensorStorageMetadata, M.BytesStorageMetadata, M.ChunkStorageMetadata, M.TensorProperties
+    dtype_type = torch.dtype
+    int_seq = _int_seq
+    for fqn, entry in sdm.items():
+        if type(fqn) is not str:
+            fail(f"state_dict_metadata has a key of type {type(fqn).__name__}")
+        if isinstance(entry, TSM):
+            props = entry.properties
+            if not isinstance(props, TP) or not isinstance(getattr(props, "dtype", None), dtype_type):
+                fail(f"tensor {_show(fqn)} has invalid properties (no dtype)")
+            size = int_seq(entry.size)
+            if size is None:
+                fail(f"tensor {_show(fqn)} has an invalid size {_show(entry.size)}")
+            chunks = entry.chunks
+            if type(chunks) is not list:
+                fail(f"tensor {_show(fqn)} has chunks of type {type(chunks).__name__}, not a list")
+            ndim = len(size)
+            for chunk in chunks:
+                if not isinstance(chunk, CSM):
+                    fail(f"tensor {_show(fqn)} has a chunk of type {type(chunk).__name__}")
+                offsets, sizes = int_seq(chunk.offsets), int_seq(chunk.sizes)
+                if offsets is None or sizes is None or len(offsets) != ndim or len(sizes) != ndim:
+                    fail(
+                        f"tensor {_show(fqn)} has a chunk with invalid offsets/sizes "
+                        f"{_show(chunk.offsets)}/{_show(chunk.sizes)} for a tensor of size {_show(size)}"
+                    )
+                for o, c, n in zip(offsets, sizes, size):
+                    if o + c > n:
+                        fail(
+                            f"tensor {_show(fqn)} has a chunk (offsets {_show(offsets)}, sizes {_show(sizes)}) "
+                            f"outside the tensor of size {_show(size)}"
+                        )
+        elif not isinstance(entry, BSM):
+            fail(f"entry {_show(fqn)} is a {type(entry).__name__}, not tensor or bytes storage metadata")
+
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        fail(f"storage_data is a {type(storage).__name__}, not a dict")
+    MI = M.MetadataIndex
+    limit = _MAX_FILE_OFFSET
+    for index, info in storage.items():
+        if not isinstance(index, MI):
+            fail(f"storage_data has a key of type {type(index).__name__}")
+        if not isinstance(info, _StorageInfo):
+            fail(f"the storage entry for {_entry_name(index)} is a {type(info).__name__}, not _StorageInfo")
+        rel, off, length = info.relative_path, info.offset, info.length
+        if (
+            type(rel) is not str
+            or type(off) is not int
+            or type(length) is not int
+            or off < 0
+            or length < 0
+            or off + length > limit
+        ):
+            if type(rel) is not str:
+                fail(f"the storage entry for {_entry_name(index)} has a relative_path of type {type(rel).__name__}")
+            fail(
+                f"the storage entry for {_entry_name(index)} in {_show(rel)} has an invalid byte range "
+                f"(offset {_show(off)}, length {_show(length)})"
+            )
+        if type(index.fqn) is not str:
+            fail(f"storage_data key with a {type(index.fqn).__name__} fqn")
+        chunk_offset = index.offset
+        if chunk_offset is not None and int_seq(chunk_offset) is None:
+            fail(f"the storage entry for {_show(index.fqn)} has an invalid chunk offset {_show(chunk_offset)}")
+        td = getattr(info, "transform_descriptors", None)  # absent on older torch
+        if td is not None and (type(td) not in (list, tuple) or not all(type(x) is str for x in td)):
+            fail(f"the storage entry for {_entry_name(index)} has invalid transform_descriptors")
+        crc = getattr(info, CHECKSUM_ATTRIBUTE, None)
+        if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
+            fail(f"the storage entry for {_entry_name(index)} has an invalid checksum {_show(crc)}")
+
+    sm = getattr(md, "storage_meta", None)
+    storage_meta_cls = getattr(M, "StorageMeta", None)
+    if sm is not None and (storage_meta_cls is None or not isinstance(sm, storage_meta_cls)):
+        fail(f"storage_meta is a {type(sm).__name__}, not StorageMeta")
+    version = getattr(md, "version", None)
+    if version is not None and type(version) is not str:
+        fail(f"version is a {type(version).__name__}, not a string")
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> _md.Metadata:
+    """Unpickle and validate the bytes of a ``.metadata`` file; ``where`` names it in errors.
+
+    Raises :class:`CheckpointFormatError` for anything but valid DCP metadata (never another
+    exception type for any input, in the restricted mode). ``allow_unsafe=True`` unpickles with
+    plain :mod:`pickle`, which runs whatever code the file names: only for trusted checkpoints.
+    """
+    if not data:
+        raise CheckpointFormatError(f"{where}: the file is empty (a save that never finished?)")
+    if not allow_unsafe:
+        try:
+            md = _unpickle_restricted(bytes(data))
+        except _Reject as e:
+            raise CheckpointFormatError(f"{where}: {e}") from None
+        except RecursionError:
+            raise CheckpointFormatError(f"{where}: the pickle nests too deeply") from None
+        except MemoryError:
+            raise CheckpointFormatError(f"{where}: the pickle needs more memory than its size justifies") from None
+        except Exception as e:  # UnpicklingError, EOFError, TypeError, ValueError, ... from hostile bytes
+            raise CheckpointFormatError(
+                f"{where}: not a readable DCP metadata pickle (truncated or damaged: "
+                f"{type(e).__name__}: {str(e)[:_SHOW]})"
+            ) from None
+    else:
+        try:
+            md = pickle.loads(data)
+        except Exception as e:
+            raise CheckpointFormatError(
+                f"{where}: not a readable metadata pickle ({type(e).__name__}: {str(e)[:_SHOW]})"
+            ) from e
+    try:
+        _validate(md, where)
+    except CheckpointFormatError:
+        raise
+    except RecursionError:
+        raise CheckpointFormatError(f"{where}: the metadata nests too deeply") from None
+    except Exception as e:  # e.g. a hostile __eq__/__hash__ in the unsafe mode
+        raise CheckpointFormatError(f"{where}: invalid metadata ({type(e).__name__}: {str(e)[:_SHOW]})") from None
+    return md
+
+
+def load_metadata(
+    path: str | os.PathLike, *, rank: int | None = None, allow_unsafe: bool = False
+) -> _md.Metadata:
+    """Read and validate a checkpoint's metadata.
+
+    ``path`` is the checkpoint directory (``.metadata``, or ``__{rank}.metadata`` when ``rank`` is
+    given, as stock ``read_metadata(rank=...)``) or a metadata file itself. Restricted unpickling
+    unless ``allow_unsafe``; see :func:`parse_metadata`. A missing directory or metadata file
+    raises :class:`CheckpointNotFoundError` (a ``FileNotFoundError``).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        file = metadata_path(path, rank)
+    elif os.path.exists(path) and rank is None:
+        file = path
+    elif not os.path.lexists(path):
+        raise CheckpointNotFoundError(f"'{path}' is not a DCP checkpoint: the directory does not exist")
+    else:
+        raise CheckpointFormatError(f"'{path}' is not a DCP checkpoint: not a directory")
+    try:
+        # O_NONBLOCK: opening a FIFO planted as .metadata must not wait for a writer.
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"'{path}' is not a DCP checkpoint: no {os.path.basename(file)} (was the save interrupted?)"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointFormatError(f"checkpoint metadata '{file}' is not a regular file")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        data = f.read()
+    return parse_metadata(data, f"checkpoint metadata '{file}'", allow_unsafe=allow_unsafe)
+
+
+def _refusal(checkpoint_dir: str, relative_path: Any, entry: Any, reason: str) -> CheckpointFormatError:
+    named = f"checkpoint metadata entry {_entry_name(entry)}" if entry is not None else "checkpoint metadata"
+    return CheckpointFormatError(
+        f"{named} in '{checkpoint_dir}' names data file {_show(relative_path)}, which is refused: {reason}"
+    )
+
+
+def check_relative_path(checkpoint_dir: str | os.PathLike, relative_path: Any, *, entry: Any = None) -> str:
+    """``checkpoint_dir/relative_path`` after checking it cannot lead out of the checkpoint.
+
+    Refuses (:class:`CheckpointFormatError`) a ``relative_path`` that is not a non-empty string,
+    contains a NUL byte, is absolute, has a ``..`` component, or resolves through symlinks outside
+    ``checkpoint_dir`` (or to the directory itself). The file need not exist. ``entry`` (e.g. the
+    MetadataIndex) is named in messages.
+    """
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if type(relative_path) is not str:
+        raise _refusal(checkpoint_dir, relative_path, entry, f"not a string but a {type(relative_path).__name__}")
+    if not relative_path:
+        raise _refusal(checkpoint_dir, relative_path, entry, "empty file name")
+    if "\0" in relative_path:
+        raise _refusal(checkpoint_dir, relative_path, entry, "it contains a NUL byte")
+    if os.path.isabs(relative_path):
+        raise _refusal(
+            checkpoint_dir, relative_path, entry, "absolute path (data files must lie inside the checkpoint directory)"
+        )
+    parts = relative_path.split(os.sep)
+    if os.altsep:
+        parts = [q for part in parts for q in part.split(os.altsep)]
+    if ".." in parts:
+        raise _refusal(checkpoint_dir, relative_path, entry, "a '..' component leads out of the checkpoint directory")
+    path = os.path.join(checkpoint_dir, relative_path)
+    if len(parts) == 1:
+        # A plain file name (the usual case) escapes only if it is itself a symlink: one lstat.
+        try:
+            if not stat.S_ISLNK(os.lstat(path).st_mode):
+                return path
+        except FileNotFoundError:
+            return path
+    real_dir = os.path.realpath(checkpoint_dir)
+    real = os.path.realpath(path)
+    inside = real_dir if real_dir.endswith(os.sep) else real_dir + os.sep
+    if not real.startswith(inside):
+        raise _refusal(
+            checkpoint_dir,
+            relative_path,
+            entry,
+            f"it resolves to '{real[:_SHOW]}', outside the checkpoint directory (a symlink leading out?)",
+        )
+    return path
+
+
+def resolve_data_file(checkpoint_dir: str | os.PathLike, relative_path: Any, *, entry: Any = None) -> str:
+    """The path of a data file the metadata names, checked to stay inside the checkpoint.
+
+    :func:`check_relative_path`, plus: a missing file raises :class:`CheckpointNotFoundError`
+    (a ``FileNotFoundError``); something that is not a regular file (a FIFO would block the
+    reader forever, a device never ends) raises :class:`CheckpointFormatError`.
+    Returns ``checkpoint_dir/relative_path``.
+    """
+    path = check_relative_path(checkpoint_dir, relative_path, entry=entry)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"checkpoint file '{path}' named in the checkpoint metadata does not exist"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _refusal(os.fspath(checkpoint_dir), relative_path, entry, "not a regular file")
+    return path
+
+
+def check_data_paths(checkpoint_dir: str | os.PathLike, storage_data: Mapping[Any, Any]) -> None:
+    """:func:`check_relative_path` for every data file ``storage_data`` names (once per file)."""
+    seen: set[Any] = set()
+    for key, info in storage_data.items():
+        rel = getattr(info, "relative_path", None)
+        if type(rel) is str and rel in seen:
+            continue
+        check_relative_path(checkpoint_dir, rel, entry=key)
+        seen.add(rel)
+
+
+def file_extents(storage_data: Mapping[Any, Any]) -> dict[str, tuple[int, Any]]:
+    """For each data file: the end of the furthest byte range placed in it, and that entry's key."""
+    ends: dict[str, tuple[int, Any]] = {}
+    for key, info in storage_data.items():
+        rel = getattr(info, "relative_path", None)
+        off, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(off) is not int or type(length) is not int:
+            continue  # _validate/_check_storage_info report these
+        end = off + length
+        cur = ends.get(rel)
+        if cur is None or end > cur[0]:
+            ends[rel] = (end, key)
+    return ends
+
+
+def check_file_extents(extents: Mapping[str, tuple[int, Any]], relative_path: str, path: str, size: int) -> None:
+    """Raise :class:`CheckpointFormatError` when the metadata places bytes past the end of the
+    data file ``path`` (``size`` bytes); ``extents`` comes from :func:`file_extents`."""
+    hit = extents.get(relative_path)
+    if hit is not None and hit[0] > size:
+        end, key = hit
+        raise CheckpointFormatError(
+            f"checkpoint file '{path}' is {size} bytes, but the metadata entry {_entry_name(key)} needs bytes up to "
+            f"{end}: the file is truncated or the checkpoint is damaged"
+        )
+
+
+def _entry_name(key: Any) -> str:
+    fqn = getattr(key, "fqn", None)
+    if type(fqn) is not str:
+        return _show(key)
+    off = getattr(key, "offset", None)
+    return _show(fqn) + (f" at {_show(off)}" if off is not None else "")
