@@ -197,8 +197,8 @@ void Engine::read_piece(const ReadJob& job, int64_t piece_start, int64_t piece_e
   }
   if (got != want) {
     throw IoError("pread", job.file->path(), piece_start, want, 0,
-                  "file ends after " + std::to_string(piece_start + static_cast<int64_t>(got)) +
-                    " bytes; the checkpoint metadata expects more (truncated file?)");
+                  "only " + std::to_string(got) + " of " + std::to_string(want) +
+                    " bytes exist there: the file is shorter than the checkpoint metadata says (truncated file?)");
   }
   std::lock_guard<std::mutex> lock(stats_mutex_);
   stats_.bytes_read += want;

@@ -13,11 +13,23 @@ import platform
 import torch
 
 from . import _C
+from ._blob import BlobFormatError
+from ._integrity import ChecksumError
+from ._metadata import CheckpointFormatError, CheckpointNotFoundError
 from .reader import FastFileSystemReader
 from .writer import FastFileSystemWriter
 
 __version__ = "0.1.0"
-__all__ = ["FastFileSystemWriter", "FastFileSystemReader", "build_info", "__version__"]
+__all__ = [
+    "FastFileSystemWriter",
+    "FastFileSystemReader",
+    "BlobFormatError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "build_info",
+    "__version__",
+]
 
 
 def build_info() -> dict:
