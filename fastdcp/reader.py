@@ -68,7 +68,8 @@ class FastFileSystemReader(FileSystemReader):
     fastdcp's own keyword arguments:
         direct_io: read with O_DIRECT (default False: a warm page cache is far faster than any
             disk; environment ``FASTDCP_DIRECT_IO``).
-        io_threads, task_bytes: engine workers and request split size.
+        io_threads, task_bytes: engine workers and the unit large reads are split into (default
+            32 MiB: larger requests read cold files faster).
         memory_budget_bytes: the most staging memory held at once (default 512 MiB).
         allow_unsafe_metadata: unpickle ``.metadata`` with plain :mod:`pickle` (default False).
             By default only stock DCP metadata classes are built and a file naming anything
@@ -100,6 +101,7 @@ class FastFileSystemReader(FileSystemReader):
             io_threads=io_threads,
             task_bytes=task_bytes,
             memory_budget_bytes=memory_budget_bytes,
+            for_reading=True,
         )
         self.last_stats: dict[str, int] = {}
         self._direct = False
