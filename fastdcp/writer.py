@@ -52,6 +52,7 @@ from torch.futures import Future
 from . import _C
 from ._blob import ZIP_ALIGN, tensor_blob_layout
 from ._engine import DIRECT_ALIGN, IoOptions, _env_flag, get_engine
+from ._metadata import load_metadata
 
 try:  # torch >= 2.7
     from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -195,38 +196,10 @@ def _remove_quietly(path: str) -> None:
         pass  # best effort: the next successful save removes it
 
 
-class _StorageNamesUnpickler(pickle.Unpickler):
-    """Reads another ``.metadata`` in the directory only to learn which files it references. Builds
-    nothing but torch's DCP classes and the few value types their pickles name; refuses the rest."""
-
-    _ALLOWED = frozenset(
-        {
-            ("collections", "OrderedDict"),
-            ("builtins", "set"),
-            ("builtins", "frozenset"),
-            ("torch", "Size"),
-            ("torch.serialization", "_get_layout"),
-            ("pathlib", "Path"),
-            ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"),
-            ("pathlib", "WindowsPath"),
-            ("pathlib", "PureWindowsPath"),
-        }
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._ALLOWED or module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-
 def _referenced_files(path: str) -> set[str] | None:
     """The data files a metadata file references, or None when it cannot be read safely."""
     try:
-        with open(path, "rb") as f:
-            metadata = _StorageNamesUnpickler(f).load()
+        metadata = load_metadata(path)  # the reader's restricted unpickler: builds nothing else
         return {info.relative_path for info in metadata.storage_data.values()}
     except Exception:  # noqa: BLE001 - unreadable for any reason: the caller stays conservative
         return None
