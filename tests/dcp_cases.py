@@ -499,6 +499,37 @@ class SliceLoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
+def random_box(rng, shape: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A random non-empty box (offsets, sizes) inside a tensor of ``shape``."""
+    offsets, sizes = [], []
+    for n in shape:
+        lo = rng.randrange(n)
+        offsets.append(lo)
+        sizes.append(rng.randrange(lo + 1, n + 1) - lo)
+    return offsets, sizes
+
+
+def box_destination(sizes: Sequence[int], dtype: torch.dtype, layout: str, device: str = "cpu") -> torch.Tensor:
+    """A destination filled with 7s: ``contiguous``, ``permuted`` (reversed-dims storage) or
+    ``offset`` (a view at storage offset 5); any other layout name gives a contiguous tensor."""
+    sizes = list(sizes)
+    if layout == "permuted" and len(sizes) > 1:
+        order = list(range(len(sizes)))[::-1]
+        storage = torch.full([sizes[d] for d in order], 7, dtype=dtype, device=device)
+        return storage.permute(*[order.index(d) for d in range(len(sizes))])
+    if layout == "offset":
+        n = 1
+        for s in sizes:
+            n *= s
+        return torch.full((n + 5,), 7, dtype=dtype, device=device)[5:].view(sizes)
+    return torch.full(sizes, 7, dtype=dtype, device=device)
+
+
+def packed(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a fresh row-major CPU tensor (strides normalised, size-1 dims included)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
 def box(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     out = t
     for d, (o, s) in enumerate(zip(offsets, sizes)):

@@ -165,7 +165,7 @@ def test_kernel_descriptors_convert_like_torch(src_dtype):
             assert box[2:4] == (-1, -1)
         engine.box_copy([box])
         expected = torch.zeros(dest.shape, dtype=dst_dtype).copy_(staging)
-        C.assert_tensor_bitexact(_packed(dest), expected, f"{src_dtype} -> {dst_dtype}")
+        C.assert_tensor_bitexact(C.packed(dest), expected, f"{src_dtype} -> {dst_dtype}")
 
 
 def test_kernel_box_falls_back_where_the_kernel_cannot():
@@ -319,33 +319,11 @@ def _stored(seed):
     }
 
 
-def _random_box(rng, shape):
-    offsets, sizes = [], []
-    for n in shape:
-        lo = rng.randrange(n)
-        offsets.append(lo)
-        sizes.append(rng.randrange(lo + 1, n + 1) - lo)
-    return offsets, sizes
-
-
 def _destination(sizes, dtype, layout, device="cpu"):
     if layout == "convert":
         dtype = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32, torch.int16: torch.int64,
                  torch.complex64: torch.complex128}[dtype]
-    if layout == "permuted" and len(sizes) > 1:
-        order = list(range(len(sizes)))[::-1]
-        storage = torch.full([sizes[d] for d in order], 7, dtype=dtype, device=device)
-        return storage.permute(*[order.index(d) for d in range(len(sizes))])
-    if layout == "offset":
-        n = 1
-        for s in sizes:
-            n *= s
-        return torch.full((n + 5,), 7, dtype=dtype, device=device)[5:].view(sizes)
-    return torch.full(sizes, 7, dtype=dtype, device=device)
-
-
-def _packed(t):
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    return C.box_destination(sizes, dtype, layout, device=device)
 
 
 @pytest.mark.parametrize("writer_kind", ["stock", "fast"])
@@ -358,14 +336,14 @@ def test_simulated_pipeline_resharded_tiny_budget(tmp_path, fake_cuda, writer_ki
     for round_ in range(2):
         slices, dest, expected = {}, {}, {}
         for name, tensor in saved.items():
-            offsets, sizes = _random_box(rng, tuple(tensor.shape))
+            offsets, sizes = C.random_box(rng, tuple(tensor.shape))
             slices[name] = (offsets, sizes)
             dest[name] = _destination(sizes, tensor.dtype, layout)
             expected[name] = C.box(tensor, offsets, sizes).to(dest[name].dtype)
         reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
         for name in saved:
-            C.assert_tensor_bitexact(_packed(dest[name]), _packed(expected[name]), f"{name} {slices[name]}")
+            C.assert_tensor_bitexact(C.packed(dest[name]), C.packed(expected[name]), f"{name} {slices[name]}")
         stats = reader.last_stats
         assert stats["gpu_staging_bytes"] <= budget
         if layout == "convert":
@@ -402,7 +380,7 @@ def test_gpu_same_layout(tmp_path, writer_kind):
     C.load(dest, reader)
     torch.cuda.synchronize()
     for k, v in saved.items():
-        C.assert_tensor_bitexact(_packed(dest[k].cpu()), _packed(v), k)
+        C.assert_tensor_bitexact(C.packed(dest[k].cpu()), C.packed(v), k)
     assert reader.last_stats["gpu_kernel_boxes"] > 0
 
 
@@ -416,7 +394,7 @@ def test_gpu_resharded_boxes(tmp_path, writer_kind, layout):
     for budget in (16 << 10, 512 << 20):
         slices, dest, expected = {}, {}, {}
         for name, tensor in saved.items():
-            offsets, sizes = _random_box(rng, tuple(tensor.shape))
+            offsets, sizes = C.random_box(rng, tuple(tensor.shape))
             slices[name] = (offsets, sizes)
             dest[name] = _destination(sizes, tensor.dtype, layout, device="cuda")
             expected[name] = C.box(tensor, offsets, sizes).to(dest[name].dtype)  # CPU conversion
@@ -424,7 +402,7 @@ def test_gpu_resharded_boxes(tmp_path, writer_kind, layout):
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
         torch.cuda.synchronize()
         for name in saved:
-            C.assert_tensor_bitexact(_packed(dest[name].cpu()), _packed(expected[name]), f"{name} {slices[name]}")
+            C.assert_tensor_bitexact(C.packed(dest[name].cpu()), C.packed(expected[name]), f"{name} {slices[name]}")
 
 
 @needs_cuda
@@ -467,7 +445,7 @@ def test_gpu_non_contiguous_destinations_and_fallbacks(tmp_path):
         C.load(dest, reader)
         out = {k: v.cpu() for k, v in dest.items()}  # stream-ordered, no explicit synchronize
     for k, v in saved.items():
-        C.assert_tensor_bitexact(_packed(out[k]), _packed(v.to(out[k].dtype)), k)
+        C.assert_tensor_bitexact(C.packed(out[k]), C.packed(v.to(out[k].dtype)), k)
     assert reader.last_stats["gpu_fallback_copies"] >= 1
 
 

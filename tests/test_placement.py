@@ -36,32 +36,10 @@ def _stored_state(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _packed(t: torch.Tensor) -> torch.Tensor:
-    """The same values in a fresh row-major tensor (strides normalised, size-1 dims included)."""
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
-
-
-def _random_box(rng: random.Random, shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    offsets, sizes = [], []
-    for n in shape:
-        lo = rng.randrange(n)
-        hi = rng.randrange(lo + 1, n + 1)
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return offsets, sizes
-
-
-def _destination(rng: random.Random, sizes: list[int], dtype: torch.dtype, layout: str) -> torch.Tensor:
+def _destination(sizes: list[int], dtype: torch.dtype, layout: str) -> torch.Tensor:
     if layout == "convert":
         dtype = torch.float64 if dtype.is_floating_point else torch.int64
-    if layout == "permuted" and len(sizes) > 1:
-        order = list(range(len(sizes)))[::-1]
-        storage = torch.full([sizes[d] for d in order], 7, dtype=dtype)
-        return storage.permute(*[order.index(d) for d in range(len(sizes))])
-    if layout == "offset":
-        flat = torch.full((int(torch.tensor(sizes).prod()) + 5,), 7, dtype=dtype)
-        return flat[5:].view(sizes)
-    return torch.full(sizes, 7, dtype=dtype)
+    return C.box_destination(sizes, dtype, layout)
 
 
 @pytest.mark.parametrize("writer_kind", ["stock", "fast"])
@@ -73,14 +51,14 @@ def test_random_boxes_into_every_layout(tmp_path, writer_kind, layout):
     for round_ in range(3):
         slices, dest, expected = {}, {}, {}
         for name, tensor in saved.items():
-            offsets, sizes = _random_box(rng, tuple(tensor.shape))
+            offsets, sizes = C.random_box(rng, tuple(tensor.shape))
             slices[name] = (offsets, sizes)
-            dest[name] = _destination(rng, sizes, tensor.dtype, layout)
+            dest[name] = _destination(sizes, tensor.dtype, layout)
             expected[name] = C.box(tensor, offsets, sizes).to(dest[name].dtype)
         reader = FastFileSystemReader(tmp_path, memory_budget_bytes=16 << 10)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
         for name in saved:
-            C.assert_tensor_bitexact(_packed(dest[name]), _packed(expected[name]), f"{name} round {round_} {slices[name]}")
+            C.assert_tensor_bitexact(C.packed(dest[name]), C.packed(expected[name]), f"{name} round {round_} {slices[name]}")
         stats = reader.last_stats
         assert stats["max_staging_bytes"] <= 16 << 10
         assert stats["bytes_read"] >= stats["bytes_needed"] or stats["window_pieces"] > 0
@@ -94,7 +72,7 @@ def test_long_runs_are_read_without_amplification(tmp_path):
         dest = {"w": torch.zeros(64, 32768, dtype=dtype)}
         reader = FastFileSystemReader(tmp_path, memory_budget_bytes=1 << 20)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner({"w": ([0, 32768], [64, 32768])}), no_dist=True)
-        C.assert_tensor_bitexact(dest["w"], _packed(saved["w"][:, 32768:].to(dtype)), f"w as {dtype}")
+        C.assert_tensor_bitexact(dest["w"], C.packed(saved["w"][:, 32768:].to(dtype)), f"w as {dtype}")
         stats = reader.last_stats
         assert stats["bytes_needed"] == 64 * 32768 * 2
         assert stats["bytes_read"] <= 1.05 * stats["bytes_needed"], stats
