@@ -34,7 +34,7 @@ from . import _C
 from ._blob import BlobFormatError, TensorBlobInfo
 from ._engine import IoOptions
 
-__all__ = ["Piece", "Placement", "plan_placement", "run_placements"]
+__all__ = ["Piece", "Placement", "find_window", "plan_placement", "run_placements"]
 
 # Raw elements for the native box copy (csrc/box_copy.hpp ScalarKind::kRawBytes): a byte copy.
 _RAW = -1
@@ -120,7 +120,7 @@ def plan_placement(item: ReadItem, info: _StorageInfo, blob: TensorBlobInfo, tar
 
 def _add_pieces(placement: Placement, file, span_start: int, span_nbytes: int, dtype: torch.dtype,
                 shape: tuple[int, ...], stride: tuple[int, ...], dest: torch.Tensor, windows: list) -> None:
-    window = _find_window(windows, span_start, span_start + span_nbytes)
+    window = find_window(windows, span_start, span_start + span_nbytes)
     if window is not None:
         placement.pieces.append(Piece(file, span_start, span_nbytes, dtype, shape, stride, dest, "window",
                                       window.tensor, span_start - window.start))
@@ -207,7 +207,8 @@ def _staged_read_table(piece: Piece, staging_address: int, request_cost: int) ->
     return table
 
 
-def _find_window(windows: list, start: int, end: int):
+def find_window(windows: list, start: int, end: int):
+    """The header-pass window holding bytes [start, end) of a file, or None."""
     # Windows are sorted by start; the one that can contain `start` is the last starting at or before it.
     lo, hi = 0, len(windows)
     while lo < hi:

@@ -34,7 +34,7 @@ from ._blob import BlobFormatError, TensorBlobInfo, parse_tensor_blob
 from ._engine import IoOptions, _env_flag, get_engine
 from . import _integrity
 from ._metadata import check_data_paths, check_file_extents, file_extents, load_metadata, resolve_data_file
-from ._placement import Placement, plan_placement, run_placements
+from ._placement import Placement, find_window, plan_placement, run_placements
 
 __all__ = ["FastFileSystemReader"]
 
@@ -159,13 +159,15 @@ class FastFileSystemReader(FileSystemReader):
         started = time.perf_counter()
         engine = get_engine(self.io_options)
         self._direct = self.io_options.direct_for(str(self.path))
-        files = {rel: self._open(rel) for rel in per_file}
-        if self.verify_checksums:
-            self._verify(engine, files, per_file)
+        files: dict[str, _C.File] = {}
         # Blobs that are valid torch.save archives but not one plain strided tensor (quantized,
         # sparse, ...): stock's torch.load(weights_only=True) reads those items.
         unparsed: list[tuple[ReadItem, BlobFormatError]] = []
         try:
+            for rel in per_file:
+                files[rel] = self._open(rel)
+            if self.verify_checksums:
+                self._verify(engine, files, per_file)
             windows = self._read_windows(engine, files, per_file)
             placements: list[Placement] = []
             for rel, items in per_file.items():
@@ -220,7 +222,6 @@ class FastFileSystemReader(FileSystemReader):
             seen: set[int] = set()
             for item in items:
                 info: _StorageInfo = self.storage_data[item.storage_index]
-                _check_storage_info(info, rel)
                 if info.offset in seen:
                     continue
                 seen.add(info.offset)
@@ -273,16 +274,8 @@ class FastFileSystemReader(FileSystemReader):
         planner.load_bytes(item, io.BytesIO(data))
 
 
-def _check_storage_info(info: _StorageInfo, relative_path: str) -> None:
-    if not isinstance(info.offset, int) or not isinstance(info.length, int) or info.offset < 0 or info.length < 0:
-        raise ValueError(
-            f"checkpoint metadata names an invalid byte range (offset={info.offset!r}, "
-            f"length={info.length!r}) in '{relative_path}'"
-        )
-
-
 def _window_bytes(windows: list[_Window], start: int, end: int) -> bytes:
-    for w in windows:
-        if w.covers(start, end):
-            return w.slice(start, end)
-    raise AssertionError(f"bytes [{start}, {end}) were not read in the header pass")
+    window = find_window(windows, start, end)
+    if window is None:
+        raise AssertionError(f"bytes [{start}, {end}) were not read in the header pass")
+    return window.slice(start, end)
