@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _C
-from .writer import CHECKSUM_ATTRIBUTE
+from ._metadata import CHECKSUM_ATTRIBUTE
 
 __all__ = ["ChecksumError", "ChecksummedItem", "checksummed_items", "verify_checksums"]
 

@@ -63,8 +63,8 @@ __all__ = [
 ]
 
 METADATA_NAME = ".metadata"  # stock's filesystem._metadata_fn
-# The CRC-32C a fastdcp writer may record on each _StorageInfo (writer.CHECKSUM_ATTRIBUTE; not
-# imported from there to keep this module free of the engine).
+# The attribute holding the CRC-32C a fastdcp writer may record on each _StorageInfo (defined
+# here, with the rest of the metadata format; the writer and _integrity import it).
 CHECKSUM_ATTRIBUTE = "fastdcp_crc32c"
 # Byte offsets and lengths beyond this cannot be real (and would overflow the engine's int64).
 _MAX_FILE_OFFSET = 1 << 62

@@ -52,7 +52,7 @@ from torch.futures import Future
 from . import _C
 from ._blob import ZIP_ALIGN, tensor_blob_layout
 from ._engine import DIRECT_ALIGN, IoOptions, _env_flag, get_engine
-from ._metadata import load_metadata
+from ._metadata import CHECKSUM_ATTRIBUTE, load_metadata
 
 try:  # torch >= 2.7
     from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -203,9 +203,6 @@ def _referenced_files(path: str) -> set[str] | None:
         return {info.relative_path for info in metadata.storage_data.values()}
     except Exception:  # noqa: BLE001 - unreadable for any reason: the caller stays conservative
         return None
-
-
-CHECKSUM_ATTRIBUTE = "fastdcp_crc32c"
 
 
 def _record_checksums(engine: "_C.Engine", files: list[_FilePlan]) -> None:
