@@ -51,8 +51,10 @@ from torch.futures import Future
 
 from . import _C
 from ._blob import ZIP_ALIGN, tensor_blob_layout
+from ._device_writes import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from ._engine import DIRECT_ALIGN, IoOptions, _env_flag, get_engine
 from ._metadata import CHECKSUM_ATTRIBUTE, load_metadata
+from ._stager import StateDictStager
 
 try:  # torch >= 2.7
     from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -61,6 +63,8 @@ except ImportError:  # pragma: no cover - older torch
 
 __all__ = ["FastFileSystemWriter"]
 
+_DEFAULT_RING_BYTES = 256 << 20
+_RING_SLOTS = 4
 _STOCK_INIT_PARAMS = frozenset(inspect.signature(FileSystemWriter.__init__).parameters)
 
 
@@ -91,6 +95,7 @@ class _FilePlan:
     segments: list[tuple] = field(default_factory=list)
     results: list[WriteResult] = field(default_factory=list)
     blob_segments: list[range] = field(default_factory=list)  # per result: its segments, in order
+    device_segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (offset, flat uint8 device bytes)
     keep_alive: list[Any] = field(default_factory=list)  # tensors/buffers the segments point into
 
     def append_bytes(self, item: WriteItem, storage_key: str, data: bytes | memoryview) -> None:
@@ -106,7 +111,9 @@ class _FilePlan:
         data_at = offset + layout.data_offset
         first_segment = len(self.segments)
         self.segments.append((offset, layout.head))
-        if layout.data_nbytes:
+        if layout.data_nbytes and _stays_on_device(tensor):
+            self.device_segments.append((data_at, tensor.reshape(-1).view(torch.uint8)))
+        elif layout.data_nbytes:
             self.segments.append((data_at, tensor.data_ptr(), layout.data_nbytes))
             self.keep_alive.append(tensor)
         self.segments.append((data_at + layout.data_nbytes, layout.tail))
@@ -124,14 +131,26 @@ class _FilePlan:
         )
 
 
-def _tensor_for_writing(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU, contiguous tensor holding exactly the values to store (conj/neg views resolved)."""
+def _stays_on_device(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's bytes go to disk through the pinned ring (``fastdcp._device_writes``)
+    rather than from host memory. Tests replace this to drive the ring with CPU tensors."""
+    return tensor.device.type == "cuda"
+
+
+def _make_copier() -> Any:
+    """The device-to-host copier of the ring pipeline (tests replace it with a CPU one)."""
+    return CudaCopier()
+
+
+def _tensor_for_writing(tensor: torch.Tensor, allow_device: bool) -> torch.Tensor:
+    """A contiguous tensor holding exactly the values to store (conj/neg views resolved): on the
+    CPU, or, when ``allow_device``, possibly still on its CUDA device (written through the ring)."""
     tensor = tensor.detach()
     if tensor.is_conj():
         tensor = tensor.resolve_conj()
     if tensor.is_neg():
         tensor = tensor.resolve_neg()
-    if tensor.device.type != "cpu":
+    if tensor.device.type != "cpu" and not (allow_device and _stays_on_device(tensor)):
         tensor = tensor.to("cpu")
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
@@ -245,6 +264,14 @@ class FastFileSystemWriter(FileSystemWriter):
         checksums: record a CRC-32C of every stored item in ``.metadata`` (default False;
             environment ``FASTDCP_CHECKSUMS``), checked by ``FastFileSystemReader(verify_checksums=True)``
             and ``python -m fastdcp verify``. Costs one extra pass over the data at memory speed.
+            With checksums on, GPU tensors are copied to the host before writing (no ring).
+        memory_budget_bytes: pinned host memory for writing GPU tensors (default 256 MiB): a ring
+            of 4 slots that device-to-host copies fill while the engine writes the previous slots.
+
+    ``dcp.async_save`` stages through :meth:`stage`: one host slab (shared memory; page-locked under
+    CUDA) reused across saves, refilled only once the save that read it is done (``fastdcp._stager``).
+    It always reuses its slab, so ``cache_staged_state_dict`` changes nothing here (it is accepted
+    for compatibility); call :meth:`close` to free the slab.
     """
 
     def __init__(
@@ -263,6 +290,7 @@ class FastFileSystemWriter(FileSystemWriter):
         io_threads: int | None = None,
         task_bytes: int | None = None,
         checksums: bool | None = None,
+        memory_budget_bytes: int | None = None,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
@@ -290,8 +318,47 @@ class FastFileSystemWriter(FileSystemWriter):
             direct_io=direct_io, default_direct_io=True, io_threads=io_threads, task_bytes=task_bytes
         )
         self._save_token: str | None = None  # this save's file-name token (see prepare_global_plan)
+        ring_budget = memory_budget_bytes if memory_budget_bytes is not None else _DEFAULT_RING_BYTES
+        if not isinstance(ring_budget, int) or isinstance(ring_budget, bool) or ring_budget < _RING_SLOTS * DIRECT_ALIGN:
+            raise ValueError(
+                f"memory_budget_bytes must be an int of at least {_RING_SLOTS * DIRECT_ALIGN}, got {memory_budget_bytes!r}"
+            )
+        self.memory_budget_bytes = ring_budget
+        self._ring: DeviceRing | None = None  # pinned ring for GPU tensors; created on first use, never pickled
         env_checksums = _env_flag("FASTDCP_CHECKSUMS")
         self.checksums = bool(checksums if checksums is not None else (env_checksums or False))
+        self._stager: StateDictStager | None = None  # created by the first stage(); never pickled
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Process-mode async_save pickles the writer into the background process: the staging
+        # slab stays with the process that owns it (the staged tensors travel as shared memory).
+        state = self.__dict__.copy()
+        state["_stager"] = None
+        state["_ring"] = None
+        return state
+
+    # ----------------------------------------------------------------------------------------- #
+    # Async staging (AsyncStager protocol, used by dcp.async_save).
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into this writer's reused staging slab and return the staged copy;
+        returns once every byte is staged, so the caller may modify its tensors right away."""
+        if self._stager is None:
+            self._stager = StateDictStager()
+        return self._stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns with the copy complete."""
+
+    def close(self) -> None:
+        """Free the staging slab (tensors of a save in flight keep their memory until it ends)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _release_staging(self) -> None:
+        if self._stager is not None:
+            self._stager.release()
 
     def _stock_writes_everything(self) -> bool:
         transforms = getattr(self, "transforms", None)
@@ -357,6 +424,10 @@ class FastFileSystemWriter(FileSystemWriter):
                     directory,
                 ) from error
             raise
+        finally:
+            # This rank's data is written (or the save failed): a staged state dict's slab may be
+            # refilled by the next stage().
+            self._release_staging()
 
     def _remove_partial_files(self, prefix: str) -> None:
         """Best effort: delete the data files of a failed save. Only under a prefix this writer
@@ -412,7 +483,8 @@ class FastFileSystemWriter(FileSystemWriter):
                 "kernel for it, so it could not be loaded; stock FileSystemWriter refuses it as well)"
             )
         if _is_plain_dense(data):
-            file_plan.append_tensor(item, storage_key, _tensor_for_writing(data))
+            # Checksums are computed from host memory: with them on, device tensors come over first.
+            file_plan.append_tensor(item, storage_key, _tensor_for_writing(data, allow_device=not self.checksums))
         else:
             # Sparse, quantized, tensor subclasses: stock's serialization, placed as opaque bytes.
             buffer = io.BytesIO()
@@ -435,9 +507,13 @@ class FastFileSystemWriter(FileSystemWriter):
                     # serialises extending direct writes). Buffered writes need no help, and on
                     # tmpfs preallocation would zero every page before it is written.
                     handle.allocate(-(-f.size // DIRECT_ALIGN) * DIRECT_ALIGN)
-                jobs.append((handle, 0, f.size, f.segments))
+                if not f.device_segments:
+                    jobs.append((handle, 0, f.size, f.segments))
             _test_pause("open")
             engine.write(jobs)
+            device_files = [i for i, f in enumerate(files) if f.device_segments]
+            if device_files:
+                self._write_through_ring(engine, handles, [(i, files[i]) for i in device_files])
             for f, handle in zip(files, handles):
                 handle.truncate(f.size)  # drop the O_DIRECT padding of the last block
             _test_pause("write")
@@ -453,6 +529,19 @@ class FastFileSystemWriter(FileSystemWriter):
                         handle.close()
                     except OSError:
                         pass  # the original error is the one to report
+
+    def _write_through_ring(self, engine: "_C.Engine", handles: list["_C.File"], files: list[tuple[int, _FilePlan]]) -> None:
+        """Write files holding GPU tensor bytes: device-to-host copies into the pinned ring,
+        overlapped with the writes of the slots before (``fastdcp._device_writes``)."""
+        slot_bytes = max(DIRECT_ALIGN, self.memory_budget_bytes // _RING_SLOTS // DIRECT_ALIGN * DIRECT_ALIGN)
+        if self._ring is None or self._ring.slot_bytes != slot_bytes:
+            self._ring = DeviceRing(slot_bytes, _RING_SLOTS)
+        ranges = [
+            job
+            for index, f in files
+            for job in cut_ranges(index, f.size, f.segments, f.device_segments, slot_bytes)
+        ]
+        write_device_images(engine, handles, ranges, self._ring, _make_copier())
 
     # ----------------------------------------------------------------------------------------- #
     # Commit: atomic metadata swap, then cleanup.

@@ -1,0 +1,117 @@
+"""Page-aligned host memory for staging: shared (so process-mode async saves send it without a
+copy), pinned when CUDA is present (so device-to-host copies run asynchronously at full speed).
+
+One allocation is a :class:`HostSlab`. Which kind it gets is decided once, explicitly:
+
+* ``shared``: an unlinked POSIX shared-memory file (torch's own shared storage, the one
+  ``torch.multiprocessing`` pickles as a file descriptor), used only when ``/dev/shm`` has room
+  for it with a margin: a full ``/dev/shm`` turns page faults into SIGBUS, not into an error.
+* ``private``: anonymous memory (``mmap``), used otherwise; a process-mode async save then costs
+  torch one copy into shared memory, in the background.
+
+Both are page-aligned, so tensors placed at 4096-multiples inside them are written with O_DIRECT
+straight from the slab. With CUDA the slab is page-locked with ``cudaHostRegister``; never across
+``fork`` (a child gets a fresh, unpinned slab of its own).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["HostSlab", "allocate_slab", "PAGE"]
+
+PAGE = mmap.PAGESIZE
+_SHM_DIR = "/dev/shm"
+# Leave this fraction of /dev/shm free: other processes (dataloaders, NCCL) need it too.
+_SHM_HEADROOM = 0.25
+
+
+def _shm_has_room(nbytes: int) -> bool:
+    try:
+        stats = os.statvfs(_SHM_DIR)
+    except OSError:
+        return False
+    available = stats.f_bavail * stats.f_frsize
+    return nbytes <= available - _SHM_HEADROOM * stats.f_blocks * stats.f_frsize
+
+
+def _pin(ptr: int, nbytes: int) -> bool:
+    """Page-lock [ptr, ptr+nbytes) for CUDA; False (and the memory stays pageable) when it fails."""
+    try:
+        from torch.cuda import _pin_memory_utils  # torch >= 2.5
+
+        _pin_memory_utils.pin_memory(ptr, nbytes)
+        return True
+    except ImportError:
+        pass
+    except RuntimeError:
+        return False
+    cudart = torch.cuda.cudart()
+    return int(cudart.cudaHostRegister(ptr, nbytes, 0)) == 0
+
+
+def _unpin(ptr: int) -> None:
+    try:
+        from torch.cuda import _pin_memory_utils
+
+        _pin_memory_utils.unpin_memory(ptr)
+    except ImportError:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+@dataclass
+class HostSlab:
+    """``nbytes`` of page-aligned host memory as a flat uint8 tensor.
+
+    ``kind`` is ``"shared"`` or ``"private"``; ``pinned`` says whether CUDA page-locked it. The
+    memory lives as long as ``tensor`` (and every view of it) does."""
+
+    tensor: torch.Tensor
+    kind: str
+    pinned: bool
+    pid: int = field(default_factory=os.getpid)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """A contiguous tensor of ``dtype``/``shape`` over ``[offset, offset+nbytes)``."""
+        return self.tensor[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def allocate_slab(nbytes: int, *, prefer_shared: bool = True, pin: bool | None = None) -> HostSlab:
+    """A new page-aligned slab of at least ``nbytes`` (rounded up to whole pages; at least one).
+
+    ``prefer_shared``: use shared memory when ``/dev/shm`` has room (see the module docstring).
+    ``pin``: page-lock for CUDA; default: when CUDA is available in this process."""
+    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    if pin is None:
+        pin = torch.cuda.is_available()
+    if prefer_shared and _shm_has_room(size):
+        storage = torch.UntypedStorage._new_shared(size)
+        tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        kind = "shared"
+    else:
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        kind = "private"
+    if tensor.data_ptr() % PAGE:
+        raise AssertionError(f"fastdcp: a {kind} staging slab is not page-aligned")
+    pinned = bool(pin) and _pin(tensor.data_ptr(), size)
+    slab = HostSlab(tensor=tensor, kind=kind, pinned=pinned)
+    if pinned:
+        # Unregistered when the slab is dropped, in the process that registered it. Views still
+        # alive then (a write in flight) keep the memory mapped, merely pageable again.
+        owner, ptr = os.getpid(), tensor.data_ptr()
+        weakref.finalize(slab, lambda: _unpin(ptr) if os.getpid() == owner else None)
+    return slab

@@ -1,0 +1,260 @@
+"""Staging a state dict for ``dcp.async_save``: one reused host slab, copied into, then handed on.
+
+``stage(state_dict)`` returns a state dict of the same structure whose tensors are views into one
+:class:`~fastdcp._host_memory.HostSlab` (shared memory, pinned under CUDA), and returns only when
+every byte is there: training may change its tensors the moment it returns, and the checkpoint
+holds the values of the moment ``stage`` was called (no tensor of the result aliases a live one).
+
+* **Layout.** Tensors are placed in traversal order; every tensor of at least a page starts on a
+  page boundary, so the writer sends it to disk with O_DIRECT straight from the slab.
+* **Reuse.** The slab is kept for the next ``stage`` while the tensors' dtypes and sizes stay the
+  same (the usual case: the same model, step after step), so steady-state staging is a copy into
+  memory that is already faulted in (and, under CUDA, already page-locked).
+* **No tearing.** A slab is refilled only after the save that used it stopped reading it: the
+  writer calls :meth:`StateDictStager.release` when its ``write_data`` is done, and independently
+  the stager watches the views it handed out (weak references): in process mode the views go away
+  when the background process has answered. If the previous save still holds the slab after
+  ``_WAIT_BEFORE_NEW_SLAB_S``, a new slab is allocated rather than blocking training longer.
+* **Devices.** CUDA tensors are copied device-to-host with ``non_blocking`` copies on a side stream
+  (ordered after the work already queued on the tensor's current stream), then the side stream is
+  synchronised once. CPU tensors are copied with ``Tensor.copy_``.
+
+Non-tensor values are deep-copied (stock ``BlockingAsyncStager`` does the same). DTensor and
+ShardedTensor keep their sharding metadata and get staged local tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._host_memory import PAGE, HostSlab, allocate_slab
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - very old torch
+    DTensor = None  # type: ignore[assignment,misc]
+try:
+    from torch.distributed._shard.sharded_tensor import Shard as _Shard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+except ImportError:  # pragma: no cover
+    ShardedTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["StateDictStager", "StagingLayout"]
+
+_SMALL_ALIGN = 64
+_WAIT_BEFORE_NEW_SLAB_S = 60.0
+_GC_EVERY_S = 0.5
+
+
+def _stageable(tensor: torch.Tensor) -> bool:
+    """Dense strided tensors go into the slab; anything else (sparse, quantized, nested, other
+    subclasses) is copied to the CPU on its own."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+    )
+
+
+@dataclass(frozen=True)
+class StagingLayout:
+    """Where each staged tensor lives in the slab: ``offsets[i]`` for the i-th tensor in traversal
+    order; ``signature`` is what must match for a slab to be reused."""
+
+    signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    @staticmethod
+    def for_tensors(tensors: list[torch.Tensor]) -> "StagingLayout":
+        signature = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+        offsets, end = [], 0
+        for t in tensors:
+            size = t.numel() * t.element_size()
+            align = PAGE if size >= PAGE else _SMALL_ALIGN
+            end = -(-end // align) * align
+            offsets.append(end)
+            end += size
+        return StagingLayout(signature, tuple(offsets), end)
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    """Append, in traversal order, every tensor of ``obj`` that goes into the slab."""
+    if DTensor is not None and isinstance(obj, DTensor):
+        _collect(obj._local_tensor, out)
+    elif ShardedTensor is not None and isinstance(obj, ShardedTensor):
+        for shard in obj.local_shards():
+            _collect(shard.tensor, out)
+    elif isinstance(obj, torch.Tensor):
+        if _stageable(obj):
+            out.append(obj)
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            _collect(value, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _collect(value, out)
+
+
+def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
+    """``obj`` with every slab tensor replaced by the next of ``staged`` (same traversal order as
+    :func:`_collect`), other tensors copied to the CPU, other values deep-copied."""
+    if DTensor is not None and isinstance(obj, DTensor):
+        return DTensor(_rebuild(obj._local_tensor, staged), obj._spec, requires_grad=False)
+    if ShardedTensor is not None and isinstance(obj, ShardedTensor):
+        shards = [_Shard(_rebuild(s.tensor, staged), s.metadata) for s in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, obj.metadata(), process_group=obj._process_group
+        )
+    if isinstance(obj, torch.Tensor):
+        if _stageable(obj):
+            return next(staged)
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        items = [(key, _rebuild(value, staged)) for key, value in obj.items()]
+        return dict(items) if type(obj) is dict else type(obj)(items)
+    if isinstance(obj, tuple):
+        values = [_rebuild(value, staged) for value in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+    if isinstance(obj, list):
+        return [_rebuild(value, staged) for value in obj]
+    if obj is None or isinstance(obj, (int, float, str, bytes, bool)):
+        return obj
+    if isinstance(obj, io.BytesIO):
+        return io.BytesIO(obj.getvalue())
+    return copy.deepcopy(obj)
+
+
+def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy every source into its view; device sources on a side stream per device, waited for."""
+    streams: dict[torch.device, Any] = {}
+    for view, source in zip(views, sources):
+        source = source.detach()
+        if source.device.type == "cuda":
+            stream = streams.get(source.device)
+            if stream is None:
+                stream = torch.cuda.Stream(device=source.device)
+                stream.wait_stream(torch.cuda.current_stream(source.device))
+                streams[source.device] = stream
+            with torch.cuda.stream(stream):
+                view.copy_(source, non_blocking=True)
+        else:
+            view.copy_(source)
+    for stream in streams.values():
+        stream.synchronize()
+
+
+class StateDictStager:
+    """Stages state dicts into one reused slab (see the module docstring)."""
+
+    def __init__(self, prefer_shared: bool = True) -> None:
+        self.prefer_shared = prefer_shared
+        self._condition = threading.Condition()
+        self._slab: HostSlab | None = None
+        self._layout: StagingLayout | None = None
+        self._views: list[weakref.ref] = []  # the views of the last stage()
+        self._in_use = False  # a save may still read the slab
+        self.slabs_allocated = 0  # for tests and benchmarks: how often a new slab was needed
+
+    def stage(self, state_dict: Any) -> Any:
+        sources: list[torch.Tensor] = []
+        _collect(state_dict, sources)
+        layout = StagingLayout.for_tensors(sources)
+        with torch.no_grad():
+            slab = self._acquire(layout)
+            views = [
+                slab.view(offset, t.numel() * t.element_size(), t.dtype, t.shape)
+                for offset, t in zip(layout.offsets, sources)
+            ]
+            try:
+                _copy_into(views, sources)
+                staged = _rebuild(state_dict, iter(views))
+            except BaseException:
+                with self._condition:
+                    self._in_use = False
+                raise
+        with self._condition:
+            self._views = [weakref.ref(v) for v in views]
+        return staged
+
+    def release(self) -> None:
+        """The save that used the slab has finished reading it (called by the writer)."""
+        with self._condition:
+            self._in_use = False
+            self._condition.notify_all()
+
+    def close(self) -> None:
+        """Drop the slab (tensors handed out keep their memory alive until they go)."""
+        with self._condition:
+            self._slab = None
+            self._layout = None
+            self._views = []
+            self._in_use = False
+
+    # ----------------------------------------------------------------------------------------- #
+
+    def _views_alive(self) -> bool:
+        return any(ref() is not None for ref in self._views)
+
+    def _acquire(self, layout: StagingLayout) -> HostSlab:
+        """The slab to fill for ``layout``, marked in use: the cached one once no save reads it,
+        else a new one."""
+        with self._condition:
+            slab = self._slab
+            reusable = (
+                slab is not None
+                and self._layout is not None
+                and self._layout.signature == layout.signature
+                and slab.pid == _current_pid()
+            )
+            if reusable and self._in_use:
+                reusable = self._wait_until_free()
+            if not reusable:
+                # Views of the old slab (if any save still holds them) keep their memory; it is
+                # only forgotten here.
+                self._slab = allocate_slab(layout.nbytes, prefer_shared=self.prefer_shared)
+                self._layout = layout
+                self.slabs_allocated += 1
+            self._in_use = True
+            self._views = []
+            return self._slab  # type: ignore[return-value]
+
+    def _wait_until_free(self) -> bool:
+        """Wait (condition held) until the previous save released the slab or dropped every view;
+        False when it still holds it after ``_WAIT_BEFORE_NEW_SLAB_S``."""
+        start = last_gc = time.monotonic()
+        if self._views_alive():
+            gc.collect()  # views kept only by reference cycles of the finished save
+        while self._in_use and self._views_alive():
+            now = time.monotonic()
+            if now - start > _WAIT_BEFORE_NEW_SLAB_S:
+                warnings.warn(
+                    f"fastdcp: the previous async save still holds its staging memory after "
+                    f"{_WAIT_BEFORE_NEW_SLAB_S:.0f} s; staging into a new slab ({self._layout.nbytes} bytes) "
+                    "instead of waiting longer. Wait for the previous save's future before the next save "
+                    "to keep one slab.",
+                    stacklevel=4,
+                )
+                return False
+            if now - last_gc > _GC_EVERY_S:
+                gc.collect()
+                last_gc = now
+            self._condition.wait(timeout=0.02)
+        return True
+
+
+def _current_pid() -> int:
+    return os.getpid()
