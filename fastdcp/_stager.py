@@ -109,11 +109,26 @@ def _collect(obj: Any, out: list[torch.Tensor]) -> None:
             _collect(value, out)
 
 
+def _staged_dtensor(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor of ``spec`` over ``local`` (a slab view).
+
+    The wrapper is built over a storage-offset-0 alias of the same shape, then given the real
+    local tensor (as stock's staging does): a DTensor wrapper inherits its local tensor's storage
+    offset, and torch pickles a wrapper with a non-zero offset as if it owned real storage, which
+    crashes the process-mode ``async_save`` (torch 2.13)."""
+    if local.storage_offset() == 0 or local.numel() == 0:
+        return DTensor(local, spec, requires_grad=False)
+    stand_in = local.as_strided(local.shape, local.stride(), 0)
+    wrapper = DTensor(stand_in, spec, requires_grad=False)
+    wrapper._local_tensor = local
+    return wrapper
+
+
 def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
     """``obj`` with every slab tensor replaced by the next of ``staged`` (same traversal order as
     :func:`_collect`), other tensors copied to the CPU, other values deep-copied."""
     if DTensor is not None and isinstance(obj, DTensor):
-        return DTensor(_rebuild(obj._local_tensor, staged), obj._spec, requires_grad=False)
+        return _staged_dtensor(_rebuild(obj._local_tensor, staged), obj._spec)
     if ShardedTensor is not None and isinstance(obj, ShardedTensor):
         shards = [_Shard(_rebuild(s.tensor, staged), s.metadata) for s in obj.local_shards()]
         return ShardedTensor._init_from_local_shards_and_global_metadata(

@@ -137,7 +137,8 @@ def run_job(job: dict) -> None:
     (the writer's ``FASTDCP_TEST_PAUSE_*`` hooks). ``uid``: setuid to it first, after one save
     into ``warmup_dir`` if given (so every lazily imported module is loaded while still root). ``scale``: see
     :func:`make_state`. ``thread_count``, ``use_collectives``, ``writer_kwargs`` go to the writer
-    and ``dcp.save``.
+    and ``dcp.save``. ``async``: save with ``dcp.async_save`` and overwrite the live tensors right
+    after it returns (notes get ``staged k`` then).
     """
     warnings.filterwarnings("ignore")
     os.environ.update(job.get("env", {}))
@@ -166,7 +167,18 @@ def run_job(job: dict) -> None:
             writer = FileSystemWriter(job["dir"], thread_count=job.get("thread_count", 2))
         if notes:
             _note(notes, f"start {k}")
-        dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=job.get("use_collectives", True))
+        if job.get("async"):
+            # dcp.async_save: the staged copy is written in the background while the "training"
+            # loop scribbles over the live tensors.
+            future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+            if notes:
+                _note(notes, f"staged {k}")
+            for value in state.values():
+                if hasattr(value, "fill_") and value.numel():
+                    value.fill_(7)
+            getattr(future, "upload_completion", future).result()
+        else:
+            dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=job.get("use_collectives", True))
         if notes:
             _note(notes, f"done {k}")
         k += 1

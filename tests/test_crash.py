@@ -54,7 +54,7 @@ def _notes(path: Path) -> list[tuple[str, int | None]]:
     out = []
     for line in path.read_text().splitlines():
         word, _, rest = line.partition(" ")
-        out.append((word, int(rest) if word in ("start", "done") else None))
+        out.append((word, int(rest) if word in ("start", "staged", "done") else None))
     return out
 
 

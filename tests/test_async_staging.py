@@ -1,0 +1,368 @@
+"""``FastFileSystemWriter.stage`` (used by ``dcp.async_save``): one reused host slab, no aliasing of
+live tensors, no refill while a save still reads it, process mode, crash safety.
+
+Every checkpoint is loaded back with stock ``FileSystemReader`` and compared bit-exact with the
+values the state had when ``async_save`` was called (the live tensors are overwritten right after).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_cases as C
+from _crash_worker import Zygote, classify, make_state
+from fastdcp import FastFileSystemWriter
+from fastdcp import _stager
+from fastdcp._host_memory import PAGE, allocate_slab
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:Detected an existing checkpoint"),
+]
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+Pair = collections.namedtuple("Pair", "left right")
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(300, 257, generator=g),  # > a page, odd size
+        "bf16": torch.randn(1000, 33, generator=g).bfloat16(),
+        "small": torch.arange(5, dtype=torch.int16) + seed,
+        "scalar": torch.tensor(float(seed)),
+        "empty": torch.empty(0, 7),
+        "transposed": torch.randn(40, 60, generator=g).t(),  # non-contiguous source
+        "nested": {"list": [torch.full((3,), seed, dtype=torch.int64), {"deep": torch.ones(2, 2) * seed}]},
+        "step": seed,
+        "blob": io.BytesIO(b"bytes-%d" % seed),
+        "config": {"lr": 0.1 * seed, "name": f"run-{seed}"},
+    }
+
+
+def _expected(sd: dict) -> dict:
+    return C.deepcopy_state_dict(sd)
+
+
+def _scribble(sd: dict) -> None:
+    for t in C.tensor_leaves(sd).values():
+        if t.numel():
+            C.fill_storage_with_sentinel(t)
+    sd["config"]["lr"] = -1.0
+
+
+def _load_stock(path, expected: dict) -> None:
+    C.load_in_place_and_check(C.make_reader("stock", path), expected, C.destination_for(expected))
+
+
+def _wait(result) -> None:
+    getattr(result, "upload_completion", result).result()
+
+
+def _slab_range(writer: FastFileSystemWriter) -> tuple[int, int]:
+    slab = writer._stager._slab
+    return slab.ptr, slab.ptr + slab.nbytes
+
+
+# --------------------------------------------------------------------------- #
+# stage() itself
+# --------------------------------------------------------------------------- #
+def test_stage_copies_into_one_aligned_slab(tmp_path):
+    sd = _state(1)
+    sd["nested"]["pair"] = Pair(torch.tensor([1, 1]), "text")  # DCP cannot load into tuples: stage only
+    expected = _expected(sd)
+    writer = FastFileSystemWriter(tmp_path)
+    staged = writer.stage(sd)
+    _scribble(sd)  # the live state changes: the staged copy must not
+    C.assert_same(C.drop_empty_dicts({k: v for k, v in staged.items() if k != "blob"}),
+                  C.drop_empty_dicts({k: v for k, v in expected.items() if k != "blob"}), check_stride=False)
+    assert staged["blob"].getvalue() == b"bytes-1"
+    assert isinstance(staged["nested"]["pair"], Pair) and staged["nested"]["pair"].right == "text"
+    lo, hi = _slab_range(writer)
+    for name, t in C.tensor_leaves(staged).items():
+        assert t.device.type == "cpu" and t.is_contiguous(), name
+        if t.numel():
+            assert lo <= t.data_ptr() < hi, f"{name} is not in the staging slab"
+        if t.numel() * t.element_size() >= PAGE:
+            assert t.data_ptr() % PAGE == 0, f"{name} is not page-aligned in the slab"
+    assert writer._stager.slabs_allocated == 1
+
+
+def test_async_saves_reuse_the_slab_and_hold_the_values_at_call_time(tmp_path):
+    writer = FastFileSystemWriter(tmp_path / "0")
+    sd = _state(2)
+    for step in range(3):
+        for t in C.tensor_leaves(sd).values():
+            if t.numel() and t.dtype.is_floating_point:
+                t.add_(1)
+        sd["step"] = step
+        expected = _expected(sd)
+        result = dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / str(step), no_dist=True)
+        _scribble(sd)  # "training" goes on right after the call returns
+        _wait(result)
+        _load_stock(tmp_path / str(step), expected)
+        C.load_in_place_and_check(C.make_reader("fast", tmp_path / str(step)), expected, C.destination_for(expected))
+        sd = C.deepcopy_state_dict(expected)
+    assert writer._stager.slabs_allocated == 1, "a state of unchanged structure got a new staging slab"
+
+
+def test_new_slab_when_the_structure_changes(tmp_path):
+    writer = FastFileSystemWriter(tmp_path / "a")
+    _wait(dcp.async_save(_state(3), storage_writer=writer, checkpoint_id=tmp_path / "a", no_dist=True))
+    grown = _state(3)
+    grown["big"] = torch.randn(301, 257)
+    expected = _expected(grown)
+    _wait(dcp.async_save(grown, storage_writer=writer, checkpoint_id=tmp_path / "b", no_dist=True))
+    assert writer._stager.slabs_allocated == 2
+    _load_stock(tmp_path / "b", expected)
+
+
+def test_stage_waits_until_the_previous_save_released_the_slab(tmp_path):
+    """A slab still being written is never refilled: the next stage() blocks until the writer
+    releases it (its write_data ended) and then reuses it."""
+    writer = FastFileSystemWriter(tmp_path)
+    first = writer.stage(_state(4))  # held, as a save in flight would
+    first_copy = C.deepcopy_state_dict(first)
+    done = threading.Event()
+    second = {}
+
+    def stage_again():
+        second["sd"] = writer.stage(_state(5))
+        done.set()
+
+    thread = threading.Thread(target=stage_again)
+    thread.start()
+    assert not done.wait(0.5), "stage() refilled a slab that a save still held"
+    C.assert_same(first, first_copy)  # untouched while waiting
+    writer._release_staging()  # what write_data does when it is done
+    assert done.wait(10)
+    thread.join()
+    assert writer._stager.slabs_allocated == 1
+    C.assert_same(second["sd"]["big"], _state(5)["big"])
+
+
+def test_stage_proceeds_once_the_staged_tensors_are_gone(tmp_path):
+    """Process mode never calls the parent writer's write_data: the views going away frees it."""
+    writer = FastFileSystemWriter(tmp_path)
+    first = writer.stage(_state(6))
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (writer.stage(_state(7)), done.set()))
+    thread.start()
+    assert not done.wait(0.3)
+    del first
+    gc.collect()
+    assert done.wait(10)
+    thread.join()
+    assert writer._stager.slabs_allocated == 1
+
+
+def test_a_slab_held_too_long_is_replaced_not_overwritten(tmp_path, monkeypatch):
+    monkeypatch.setattr(_stager, "_WAIT_BEFORE_NEW_SLAB_S", 0.2)
+    writer = FastFileSystemWriter(tmp_path)
+    first = writer.stage(_state(8))
+    first_copy = C.deepcopy_state_dict(first)
+    with pytest.warns(UserWarning, match="still holds its staging memory"):
+        second = writer.stage(_state(9))
+    assert writer._stager.slabs_allocated == 2
+    C.assert_same(first, first_copy)
+    C.assert_same(second["big"], _state(9)["big"])
+
+
+def test_failed_stage_releases_the_slab(tmp_path):
+    writer = FastFileSystemWriter(tmp_path)
+
+    class Unpicklable:
+        def __deepcopy__(self, memo):
+            raise RuntimeError("cannot copy me")
+
+    with pytest.raises(RuntimeError, match="cannot copy me"):
+        writer.stage({"t": torch.ones(3), "bad": Unpicklable()})
+    start = time.monotonic()
+    writer.stage({"t": torch.ones(3)})
+    assert time.monotonic() - start < 5
+    assert writer._stager.slabs_allocated == 1
+
+
+def test_writer_pickles_without_its_slab(tmp_path):
+    writer = FastFileSystemWriter(tmp_path)
+    writer.stage(_state(10))
+    clone = pickle.loads(pickle.dumps(writer))
+    assert clone._stager is None and writer._stager is not None
+    writer.close()
+    assert writer._stager is None
+
+
+def test_slab_kinds_are_page_aligned():
+    for shared in (True, False):
+        slab = allocate_slab(10_000, prefer_shared=shared, pin=False)
+        assert slab.ptr % PAGE == 0 and slab.nbytes >= 10_000
+        slab.tensor.fill_(3)
+        assert int(slab.tensor.sum()) == 3 * slab.nbytes
+    assert allocate_slab(1, prefer_shared=True, pin=False).kind == "shared"
+    assert allocate_slab(1, prefer_shared=False, pin=False).kind == "private"
+
+
+def test_cached_staging_flag_is_accepted(tmp_path):
+    """Stock's cache_staged_state_dict=True needs pinned memory (an accelerator); ours always
+    reuses its slab and works everywhere."""
+    writer = FastFileSystemWriter(tmp_path / "a", cache_staged_state_dict=True)
+    for name in ("a", "b"):
+        sd = _state(11 if name == "a" else 12)
+        expected = _expected(sd)
+        _wait(dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / name, no_dist=True))
+        _load_stock(tmp_path / name, expected)
+    assert writer._stager.slabs_allocated == 1
+
+
+# --------------------------------------------------------------------------- #
+# DTensor / ShardedTensor and process mode: fresh interpreters (process groups)
+# --------------------------------------------------------------------------- #
+def _child_main(root: str, mode: str) -> None:
+    """Runs in a fresh interpreter as a gloo world of 1 (see the tests below)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    import torch.distributed._shard.sharded_tensor as sharded
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+
+    report: dict = {}
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        writer = FastFileSystemWriter(os.path.join(root, "0"))
+        kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+        base = _state(20)
+        full = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+        for step in range(3):
+            st = sharded.empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 10, 4)
+            st.local_shards()[0].tensor.copy_(torch.arange(40.0).reshape(10, 4) + step)
+            sd = {**C.deepcopy_state_dict(base), "step": step,
+                  "dt": distribute_tensor(full + step, mesh, [Shard(0)]), "st": st}
+            staged = writer.stage(sd) if step == 0 and mode == "thread" else None
+            if staged is not None:
+                report["dtensor_staged"] = isinstance(staged["dt"], DTensor) and staged["dt"].placements == (Shard(0),)
+                report["sharded_staged"] = isinstance(staged["st"], ShardedTensor)
+                lo, hi = _slab_range(writer)
+                report["in_slab"] = all(lo <= t.data_ptr() < hi for t in
+                                        (staged["dt"]._local_tensor, staged["st"].local_shards()[0].tensor))
+                del staged
+                writer._release_staging()
+            result = dcp.async_save(sd, storage_writer=writer, checkpoint_id=os.path.join(root, str(step)),
+                                    async_checkpointer_type=kind)
+            sd["dt"]._local_tensor.fill_(-1)
+            sd["st"].local_shards()[0].tensor.fill_(-1)
+            _wait(result)
+            dest = {"dt": distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)]),
+                    "st": sharded.zeros(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 10, 4)}
+            dcp.load(dest, storage_reader=C.make_reader("stock", os.path.join(root, str(step))))
+            report[f"dt_{step}"] = torch.equal(dest["dt"].full_tensor(), full + step)
+            report[f"st_{step}"] = torch.equal(dest["st"].local_shards()[0].tensor,
+                                               torch.arange(40.0).reshape(10, 4) + step)
+        report["slabs"] = writer._stager.slabs_allocated
+        report["slab_kind"] = writer._stager._slab.kind
+        report["ok"] = True
+    except BaseException:
+        import traceback
+
+        report["error"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(root, "report.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+
+
+def _run_child(root: Path, mode: str) -> dict:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1")
+    code = textwrap.dedent(f"""
+        import sys, warnings
+        warnings.filterwarnings("ignore")
+        sys.path[:0] = [{str(TESTS_DIR)!r}, {str(REPO_ROOT)!r}]
+        import test_async_staging
+        test_async_staging._child_main({str(root)!r}, {mode!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=400)
+    report_path = root / "report.json"
+    assert report_path.exists(), f"child died: rc={proc.returncode}\n{proc.stderr[-6000:]}"
+    report = json.loads(report_path.read_text())
+    assert "error" not in report, report["error"] + "\n---\n" + proc.stderr[-3000:]
+    return report
+
+
+@pytest.mark.fastdcp_timeout(600)
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_async_save_dtensor_shardedtensor_and_process_mode(tmp_path, mode):
+    """Three async saves of DTensor + ShardedTensor state through one writer in THREAD or PROCESS
+    mode: one slab for all of them (shared memory, so process mode sends it without a copy), each
+    checkpoint holds the values at call time, stock reads them."""
+    report = _run_child(tmp_path, mode)
+    if mode == "thread":
+        assert report["dtensor_staged"] and report["sharded_staged"] and report["in_slab"], report
+    for step in range(3):
+        assert report[f"dt_{step}"] and report[f"st_{step}"], report
+    assert report["slabs"] == 1, report
+    assert report["slab_kind"] == "shared", report
+
+
+# --------------------------------------------------------------------------- #
+# a crash between stage() and the commit leaves the previous checkpoint
+# --------------------------------------------------------------------------- #
+SEED = 5150
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    z.prepare(SEED)
+    yield z
+    z.close()
+
+
+@pytest.mark.parametrize("phase", ["plan", "write", "sync", "commit", "cleanup"])
+def test_sigkill_during_async_save(zygote, tmp_path, phase):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    dcp.save(make_state(SEED, 0), storage_writer=FastFileSystemWriter(directory), no_dist=True)
+    notes, error_file = tmp_path / "notes", tmp_path / "error"
+    pid = zygote.fork({
+        "dir": str(directory), "seed": SEED, "first": 1, "count": 1, "async": True,
+        "notes": str(notes), "error_file": str(error_file),
+        "env": {"FASTDCP_TEST_PAUSE_AT": phase, "FASTDCP_TEST_PAUSE_S": "120",
+                "FASTDCP_TEST_PAUSE_NOTIFY": str(notes)},
+    })
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        text = notes.read_text() if notes.exists() else ""
+        if f"{phase} " in text and "staged 1" in text:
+            break
+        if error_file.exists() and error_file.stat().st_size:
+            zygote.kill(pid)
+            pytest.fail(error_file.read_text())
+        time.sleep(0.005)
+    else:
+        zygote.kill(pid)
+        pytest.fail(f"never reached {phase}: {notes.read_text() if notes.exists() else ''}")
+    assert zygote.kill(pid)["signal"] == 9
+    expected = "state 1" if phase == "cleanup" else "state 0"
+    candidates = {0: make_state(SEED, 0), 1: make_state(SEED, 1)}
+    for reader in ("fast", "stock"):
+        assert classify(str(directory), candidates, reader) == expected, (phase, reader, os.listdir(directory))
