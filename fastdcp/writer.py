@@ -105,13 +105,15 @@ class _FilePlan:
             self.keep_alive.append(data)
         self._finish_item(item, storage_key, offset, len(data), first_segment)
 
-    def append_tensor(self, item: WriteItem, storage_key: str, tensor: torch.Tensor) -> None:
+    def append_tensor(self, item: WriteItem, storage_key: str, tensor: torch.Tensor, through_ring: bool = False) -> None:
+        """Place ``tensor``'s blob; ``through_ring``: its bytes are device memory, written through
+        the pinned ring (``fastdcp._device_writes``) instead of from host memory."""
         offset = _round_up(self.size, ZIP_ALIGN)
         layout = tensor_blob_layout(tensor, offset)
         data_at = offset + layout.data_offset
         first_segment = len(self.segments)
         self.segments.append((offset, layout.head))
-        if layout.data_nbytes and _stays_on_device(tensor):
+        if layout.data_nbytes and through_ring:
             self.device_segments.append((data_at, tensor.reshape(-1).view(torch.uint8)))
         elif layout.data_nbytes:
             self.segments.append((data_at, tensor.data_ptr(), layout.data_nbytes))
@@ -142,15 +144,15 @@ def _make_copier() -> Any:
     return CudaCopier()
 
 
-def _tensor_for_writing(tensor: torch.Tensor, allow_device: bool) -> torch.Tensor:
+def _tensor_for_writing(tensor: torch.Tensor, keep_on_device: bool) -> torch.Tensor:
     """A contiguous tensor holding exactly the values to store (conj/neg views resolved): on the
-    CPU, or, when ``allow_device``, possibly still on its CUDA device (written through the ring)."""
+    CPU, or, with ``keep_on_device``, on the device it is on (written through the ring)."""
     tensor = tensor.detach()
     if tensor.is_conj():
         tensor = tensor.resolve_conj()
     if tensor.is_neg():
         tensor = tensor.resolve_neg()
-    if tensor.device.type != "cpu" and not (allow_device and _stays_on_device(tensor)):
+    if tensor.device.type != "cpu" and not keep_on_device:
         tensor = tensor.to("cpu")
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
@@ -484,7 +486,9 @@ class FastFileSystemWriter(FileSystemWriter):
             )
         if _is_plain_dense(data):
             # Checksums are computed from host memory: with them on, device tensors come over first.
-            file_plan.append_tensor(item, storage_key, _tensor_for_writing(data, allow_device=not self.checksums))
+            through_ring = not self.checksums and _stays_on_device(data)
+            tensor = _tensor_for_writing(data, keep_on_device=through_ring)
+            file_plan.append_tensor(item, storage_key, tensor, through_ring=through_ring)
         else:
             # Sparse, quantized, tensor subclasses: stock's serialization, placed as opaque bytes.
             buffer = io.BytesIO()
