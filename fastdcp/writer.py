@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import _C
-from ._blob import ZIP_ALIGN, tensor_blob_layout
+from ._blob import DATA_ALIGN, ZIP_ALIGN, tensor_blob_layout
 from ._device_writes import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from ._engine import DIRECT_ALIGN, IoOptions, _env_flag, get_engine
 from ._metadata import CHECKSUM_ATTRIBUTE, load_metadata
@@ -64,6 +64,7 @@ except ImportError:  # pragma: no cover - older torch
 __all__ = ["FastFileSystemWriter"]
 
 _DEFAULT_RING_BYTES = 256 << 20
+_PAGE_ALIGNED_FROM_BYTES = 64 << 10
 _RING_SLOTS = 4
 _STOCK_INIT_PARAMS = frozenset(inspect.signature(FileSystemWriter.__init__).parameters)
 
@@ -109,7 +110,12 @@ class _FilePlan:
         """Place ``tensor``'s blob; ``through_ring``: its bytes are device memory, written through
         the pinned ring (``fastdcp._device_writes``) instead of from host memory."""
         offset = _round_up(self.size, ZIP_ALIGN)
-        layout = tensor_blob_layout(tensor, offset)
+        nbytes = tensor.numel() * tensor.element_size()
+        # Large tensors get their bytes on a 4096 boundary (written with O_DIRECT straight from
+        # aligned memory); small ones are packed at torch's 64-byte alignment, as stock packs them:
+        # they go through a bounce buffer either way, and padding would inflate the file.
+        data_align = DATA_ALIGN if nbytes >= _PAGE_ALIGNED_FROM_BYTES else ZIP_ALIGN
+        layout = tensor_blob_layout(tensor, offset, data_align=data_align)
         data_at = offset + layout.data_offset
         first_segment = len(self.segments)
         self.segments.append((offset, layout.head))
