@@ -4,12 +4,14 @@ Run `python -m benchmarks --quick` (a few minutes) or `python -m benchmarks` (fu
 `python -m benchmarks --help` lists the options. Modules:
 
 * config     command line -> BenchConfig
-* systems    the compared storage layers (stock, stock_best, fastdcp)
+* systems    the compared systems (stock, stock_best, fastdcp, fastdcp_planners)
+* floor      DCP's own cost without storage: no-I/O StorageWriter/StorageReader
 * state      synthetic LLM-like state dicts, load targets, bit-exact verification
 * limits     raw storage / memory-copy / pinned-copy bandwidth probes
 * pagecache  cold/warm page cache control, filesystem facts
 * machine    machine facts
-* scenarios  single-process scenarios (save, load, small, async, gpu_*, --checkpoint)
+* scenarios  single-process scenarios (save, load, small + DCP floor, async + bare copy,
+             gpu_save, gpu_load, gpu_async, --checkpoint)
 * reshard    multi-process DTensor resharding scenario (gloo)
 * results    result records, medians, ratios, fractions of the limits
 * report     terminal table, JSON, plot

@@ -13,9 +13,10 @@ from .systems import SYSTEM_NAMES, standin_requested
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 CPU_SCENARIOS = ("save", "load", "reshard", "small", "async")
-GPU_SCENARIOS = ("gpu_save", "gpu_load")
+GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async")
 ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS
-QUICK_SCENARIOS = ("save", "load", "reshard", "small")
+QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async")
+ASYNC_MODES = ("thread", "process")
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
           "g": GiB, "gb": GiB, "gib": GiB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -50,13 +51,18 @@ class BenchConfig:
     checkpoint: str | None = None           # existing checkpoint: load scenarios only
     small_count: int = 5000
     small_bytes: int = 1 * KiB
-    small_large_count: int = 4
+    small_large_count: int = 0              # the criterion: 5,000 x 1 KiB and nothing else
     small_large_bytes: int = 64 * MiB
+    floor: bool = True                      # measure DCP's floor (no-I/O storage) in `small`
+    fresh_planners: bool = False            # a new planner object per call instead of one reused
+    async_modes: list[str] = field(default_factory=lambda: list(ASYNC_MODES))
+    async_saves: int | None = None          # saves per system and mode (None: repeats + 1)
     reshard_size: int = 2 * GiB
     reshard_norms: int = 300                # replicated norm vectors in the reshard state
     small_repeats: int | None = None        # None: --repeats
     reshard_wheres: list[str] = field(default_factory=lambda: ["dir", "shm"])
     small_wheres: list[str] = field(default_factory=lambda: ["dir", "shm"])
+    async_wheres: list[str] = field(default_factory=lambda: ["dir", "shm"])
     probe_bytes: int = 1 * GiB
     probe_configs: list[tuple[int, int]] = field(
         default_factory=lambda: [(1 * MiB, 1), (1 * MiB, 4), (8 * MiB, 1), (8 * MiB, 4)])
@@ -78,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="fastdcp vs stock torch.distributed.checkpoint storage benchmarks. "
                     "Every load is verified bit-exact; a mismatch exits with status 3.")
     p.add_argument("--quick", action="store_true",
-                   help="scenarios save,load,reshard,small (+gpu_* with CUDA) at 256MiB, 2 repeats "
-                        "(small: 1), reshard on /dev/shm only at 64MiB, small on --dir only "
-                        "(~1.5-2 min on 2 cores)")
+                   help="scenarios save,load,reshard,small,async (+gpu_* with CUDA) at 256MiB, 2 repeats, "
+                        "reshard on /dev/shm only at 64MiB, small and async on --dir only, async in "
+                        "thread mode only (~2.5 min on 2 cores)")
     p.add_argument("--size", type=parse_size, help="state dict size (default 2GiB, quick 256MiB)")
     p.add_argument("--dir", help="directory on the storage to test; a temp dir is made inside it "
                                  "and removed afterwards (default ./bench_out)")
@@ -93,8 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", dest="plot_path", help="write a bar chart (PNG) here; needs matplotlib")
     p.add_argument("--checkpoint", help="an existing DCP checkpoint directory: run load scenarios "
                                         "on it only (verified against the stock reader)")
-    p.add_argument("--small-count", type=int, help="number of tiny tensors in `small` (default 5000)")
+    p.add_argument("--small-count", type=int, help="number of tiny tensors in `small` (default 5000; "
+                                                   "e.g. 10000)")
     p.add_argument("--small-bytes", type=parse_size, help="bytes per tiny tensor (default 1KiB)")
+    p.add_argument("--small-large-count", type=int,
+                   help="large bf16 matrices added to `small` (default 0: tiny tensors only)")
+    p.add_argument("--small-large-size", type=parse_size,
+                   help="bytes per large matrix in `small` (default --size/16 clamped to 64KiB..64MiB)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="do not measure DCP's floor (dcp.save/load with a storage that does no I/O) "
+                        "in `small`")
+    p.add_argument("--fresh-planners", action="store_true",
+                   help="a new planner object for every save/load (default: one per system and "
+                        "scenario, reused, as a training loop keeps one)")
+    p.add_argument("--async-modes", type=_csv,
+                   help="async_save executors: thread,process (default both; quick: thread). "
+                        "process mode needs a process group: a 1-rank gloo group is started")
+    p.add_argument("--async-saves", type=int,
+                   help="async saves per system and mode, one writer object reused "
+                        "(default --repeats + 1; the first is reported separately)")
     p.add_argument("--reshard-size", type=parse_size,
                    help="state size for `reshard` (default --size; quick: --size/4 with 32 instead "
                         "of 300 norm vectors)")
@@ -121,8 +144,10 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.scenarios = list(QUICK_SCENARIOS)
         c.reshard_wheres = ["shm"]
         c.reshard_norms = 32
-        c.small_repeats = 1
+        c.small_repeats = 2
         c.small_wheres = ["dir"]
+        c.async_wheres = ["dir"]
+        c.async_modes = ["thread"]
         c.probe_bytes = 256 * MiB
         c.probe_configs = [(8 * MiB, 1), (1 * MiB, 4)]
         c.memcpy_bytes = 256 * MiB
@@ -157,6 +182,25 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.small_count = a.small_count
     if a.small_bytes is not None:
         c.small_bytes = a.small_bytes
+    if a.small_count is not None and a.small_count < 0:
+        parser.error("--small-count must be >= 0")
+    if a.small_large_count is not None:
+        if a.small_large_count < 0:
+            parser.error("--small-large-count must be >= 0")
+        c.small_large_count = a.small_large_count
+    if a.small_large_size is not None:
+        c.small_large_bytes = a.small_large_size
+    c.floor = not a.no_floor
+    c.fresh_planners = a.fresh_planners
+    if a.async_modes:
+        bad = [m for m in a.async_modes if m not in ASYNC_MODES]
+        if bad:
+            parser.error(f"unknown async mode(s) {bad}; choose from {','.join(ASYNC_MODES)}")
+        c.async_modes = a.async_modes
+    if a.async_saves is not None:
+        if a.async_saves < 1:
+            parser.error("--async-saves must be >= 1")
+        c.async_saves = a.async_saves
     c.dir, c.shm = a.dir, not a.no_shm
     c.json_path, c.plot_path, c.checkpoint = a.json_path, a.plot_path, a.checkpoint
     c.probe_method, c.cold_method, c.keep = a.probe_method, a.cold_method, a.keep

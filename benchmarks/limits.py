@@ -268,7 +268,8 @@ def probe_storage(where_dir: str, nbytes: int, configs: list[tuple[int, int]],
         if os.path.exists(path):
             os.unlink(path)
     if info.is_tmpfs:
-        note = (note + "; " if note else "") + "tmpfs: 'device' bandwidth is a memory copy"
+        note = (note + "; " if note else "") + (
+            "tmpfs: 'device' bandwidth is writing new pages of a memory filesystem (page allocation + copy)")
     best = lambda op: max(r.gibps for r in runs if r.op == op)  # noqa: E731
     return StorageLimit(path=info.path, fstype=info.fstype, method=how, bytes=nbytes,
                         write_gibps=best("write"), read_gibps=best("read"),

@@ -8,15 +8,24 @@ from dataclasses import asdict
 from typing import Any
 
 from .limits import Limits
-from .results import Result
+from .results import SYSTEM_SPECIFIC_KEYS, Result
 
 LIMIT_POLICY = (
     "fraction of limit = median GiB/s / a limit measured in this run: save, small save, async "
-    "'durable' and reshard save -> raw sequential write (incl. fsync) of that target; cold load "
-    "-> raw sequential read of that target; warm load, small load, async 'call returned' and "
-    "everything on tmpfs (/dev/shm) -> memory copy (best method); gpu_save -> min(pinned D2H, "
-    "write); gpu_load -> min(pinned H2D, memory copy).")
-UNITS = "GiB/s = tensor payload bytes / wall time (GiB = 2^30); median [min-max] over repeats."
+    "'durable' and reshard save -> raw sequential write (incl. fsync) of that target (on tmpfs: "
+    "writing a new file, i.e. page allocation + copy); cold load -> raw sequential read of that "
+    "target; warm load, small load, async 'blocked' and loads from tmpfs (/dev/shm) -> memory "
+    "copy (best method); gpu_save and gpu_async "
+    "'durable' -> min(pinned D2H, write); gpu_async 'blocked' -> pinned D2H; gpu_load -> "
+    "min(pinned H2D, memory copy).")
+UNITS = ("GiB/s = tensor payload bytes / wall time (GiB = 2^30); median [min-max] over repeats. "
+         "run=1st: a system's first save/load in that case (first use of its writer/planner "
+         "objects), run=2nd+: the later ones.")
+BASELINE_POLICY = (
+    "vs floor/bare: small -> median seconds above DCP's floor (dcp_floor: the same dcp.save/load "
+    "with a storage that does no I/O, DCP's default planners; dcp_floor_planners: with "
+    "fastdcp's planners, the floor of fastdcp_planners); async 'blocked' -> median seconds / "
+    "the bare copy of the same bytes into preallocated host buffers (bare_copy).")
 
 
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -47,7 +56,7 @@ def header_lines(machine: dict[str, Any], limits: Limits | None, cold_method: st
     lines.append(f"cold page cache: {cold_method or 'not available: warm only'}"
                  + (" (global, after os.sync)" if cold_method == "drop_caches" else
                     " (per file, after os.sync)" if cold_method == "fadvise_dontneed" else ""))
-    lines += [LIMIT_POLICY, UNITS]
+    lines += [LIMIT_POLICY, UNITS, BASELINE_POLICY]
     lines += [f"NOTE: {n}" for n in notes]
     if standin:
         lines.append("WARNING: 'fastdcp' IS A STAND-IN (stock FileSystemWriter/Reader): "
@@ -57,13 +66,14 @@ def header_lines(machine: dict[str, Any], limits: Limits | None, cold_method: st
 
 def table_lines(results: list[Result]) -> list[str]:
     cols = ["scenario", "config", "where", "system", "GiB/s median [min-max]", "s (med)",
-            "vs stock", "vs best", "of limit"]
+            "vs stock", "vs best", "vs floor/bare", "of limit"]
     rows: list[list[str]] = []
     for r in results:
         gib = "-" if r.gibps is None else f"{r.gibps:6.2f} [{r.gibps_min:.2f}-{r.gibps_max:.2f}]"
         lim = "-" if r.fraction_of_limit is None else f"{100 * r.fraction_of_limit:4.0f}% {r.limit}"
         rows.append([r.scenario, r.label(), r.where, r.system, gib, _f(r.seconds_median, "{:.3f}"),
-                     _f(r.ratio_vs_stock, "{:.2f}x"), _f(r.ratio_vs_stock_best, "{:.2f}x"), lim])
+                     _f(r.ratio_vs_stock, "{:.2f}x"), _f(r.ratio_vs_stock_best, "{:.2f}x"),
+                     _baseline_cell(r), lim])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
     out = [fmt(cols), fmt(["-" * w for w in widths])]
@@ -75,6 +85,71 @@ def table_lines(results: list[Result]) -> list[str]:
         prev = case
         out.append(fmt(row))
     return out
+
+
+def _baseline_cell(r: Result) -> str:
+    if r.is_baseline:
+        return "(baseline)"
+    if r.baseline is None:
+        return "-"
+    if r.baseline == "bare_copy":
+        return f"{r.ratio_to_baseline:.2f}x bare"
+    return f"{r.above_baseline_seconds:+.3f} s"
+
+
+def summary_lines(results: list[Result]) -> list[str]:
+    """DCP's floor and each system's own cost above it (small); async blocked time vs the bare
+    copy and the durable time."""
+    out: list[str] = []
+    cases: dict[tuple, dict[str, Result]] = {}
+    for r in results:
+        if r.config.get("ckpt_writer", r.system) == r.system:
+            cases.setdefault(r.case_key(), {})[r.system] = r
+    for case, by in cases.items():
+        some = next(iter(by.values()))
+        floor = by.get("dcp_floor")
+        if floor is not None and floor.seconds_median:
+            fp = by.get("dcp_floor_planners")
+            fp_cache = f" [plan cache {', '.join(sorted(set(fp.extra['plan_cache'])))}]" \
+                if fp is not None and fp.extra.get("plan_cache") else ""
+            head = (f"  {some.scenario} {some.label()} {some.where}: DCP floor {floor.seconds_median:.3f} s"
+                    + (f" (with fastdcp's planners {fp.seconds_median:.3f} s{fp_cache})"
+                       if fp and fp.seconds_median else ""))
+            parts = []
+            stock_own = by["stock"].above_baseline_seconds if "stock" in by else None
+            for name, r in by.items():
+                if r.is_baseline or r.above_baseline_seconds is None:
+                    continue
+                txt = f"{name} {r.seconds_median:.3f} s = floor + {r.above_baseline_seconds:.3f} s"
+                if r.extra.get("plan_cache"):
+                    txt += f" [plan cache {', '.join(sorted(set(r.extra['plan_cache'])))}]"
+                if r.baseline == "dcp_floor_planners":
+                    txt += f" (its planners' floor; {r.seconds_median - floor.seconds_median:+.3f} s vs DCP's)"
+                if stock_own and stock_own > 0 and name != "stock" and r.above_baseline_seconds > 0:
+                    f = stock_own / r.above_baseline_seconds
+                    txt += (f" ({f:.1f}x less own cost than stock)" if f >= 1 else
+                            f" ({1 / f:.1f}x more own cost than stock)")
+                parts.append(txt)
+            out.append(head + "; " + "; ".join(parts))
+        bare = by.get("bare_copy")
+        if bare is not None and bare.seconds_median:
+            durable = {n: cases.get(_with_phase(some, "durable"), {}).get(n) for n in by}
+            parts = []
+            for name, r in by.items():
+                if r.is_baseline or r.ratio_to_baseline is None:
+                    continue
+                d = durable.get(name)
+                parts.append(f"{name} blocked {r.seconds_median:.3f} s ({r.ratio_to_baseline:.1f}x bare)"
+                             + (f", durable {d.seconds_median:.3f} s" if d and d.seconds_median else ""))
+            out.append(f"  {some.scenario} {some.label()} {some.where}: bare copy {bare.seconds_median:.3f} s; "
+                       + "; ".join(parts))
+    return ["floors and baselines (medians):", *out] if out else []
+
+
+def _with_phase(r: Result, phase: str) -> tuple:
+    cfg = {k: v for k, v in r.config.items() if k not in SYSTEM_SPECIFIC_KEYS}
+    cfg["phase"] = phase
+    return (r.scenario, r.where, json.dumps(cfg, sort_keys=True, default=str))
 
 
 def reader_stats_lines(results: list[Result]) -> list[str]:
@@ -96,8 +171,8 @@ def reader_stats_lines(results: list[Result]) -> list[str]:
     return ["reader stats (fastdcp FastFileSystemReader.last_stats, last repeat):", *out] if out else []
 
 
-def print_report(lines: list[str], stream=sys.stdout) -> None:
-    print("\n".join(lines), file=stream, flush=True)
+def print_report(lines: list[str], stream=None) -> None:
+    print("\n".join(lines), file=stream or sys.stdout, flush=True)
 
 
 def sort_for_report(results: list[Result], system_order: list[str]) -> list[Result]:
@@ -141,7 +216,9 @@ def write_plot(path: str, results: list[Result], limits: Limits | None, system_o
     most = max(len({r.case_key() for r in results if r.scenario == sc}) for sc in scenarios)
     fig, axes = plt.subplots(len(scenarios), 1, figsize=(max(12.0, 1.7 * most), 3.6 * len(scenarios)),
                              squeeze=False)
-    colors = {"stock": "#999999", "stock_best": "#5b8db8", "fastdcp": "#d9572b"}
+    colors = {"stock": "#999999", "stock_best": "#5b8db8", "fastdcp": "#d9572b",
+              "fastdcp_planners": "#8c2d04", "dcp_floor": "#2ca02c", "dcp_floor_planners": "#98df8a",
+              "bare_copy": "#2ca02c"}
     rank = {name: i for i, name in enumerate(system_order)}
     for ax, scen in zip(axes[:, 0], scenarios):
         rs = [r for r in results if r.scenario == scen and r.gibps]

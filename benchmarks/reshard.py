@@ -43,6 +43,7 @@ class ReshardJob:
     cold_method: str | None
     corrupt_after_load: str | None
     out_path: str
+    fresh_planners: bool = False
 
 
 def _rchar() -> int:
@@ -127,6 +128,19 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
         t_ready = time.time()
         systems = resolve_systems(job.systems, job.standin)
         spec = job.spec
+        planners: dict[tuple[str, str], Any] = {}
+
+        def planner(s, kind: str) -> Any:
+            """As in the parent: one planner object per system and kind, reused (or a new one
+            per call with --fresh-planners); None: DCP's default planners."""
+            factory = s.make_save_planner if kind == "save" else s.make_load_planner
+            if factory is None:
+                return None
+            if job.fresh_planners:
+                return factory()
+            if (s.name, kind) not in planners:
+                planners[(s.name, kind)] = factory()
+            return planners[(s.name, kind)]
 
         def timed(fn) -> tuple[float, int]:
             dist.barrier()
@@ -147,7 +161,8 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
                 if rank == 0 and os.path.exists(path):
                     shutil.rmtree(path)
                 os.sync()
-                dt, _ = timed(lambda: dcp.save(src, storage_writer=s.make_writer(path)))
+                dt, _ = timed(lambda: dcp.save(src, storage_writer=s.make_writer(path),
+                                               planner=planner(s, "save")))
                 records.append({"system": s.name, "op": "save", "layout": "Shard(0)@2",
                                 "seconds": dt, "bytes_read": None})
             del src
@@ -172,8 +187,10 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
                         if s.name not in primers:
                             name = next(t.name for t in spec.tensors if not t.shardable)
                             primers[s.name] = {name: torch.empty_like(expected[name])}
-                        dcp.load(primers[s.name], storage_reader=s.make_reader(path))
-                    dt, nread = timed(lambda: dcp.load(dest, storage_reader=s.make_reader(path)))
+                        primer_planner = s.make_load_planner() if s.make_load_planner else None
+                        dcp.load(primers[s.name], storage_reader=s.make_reader(path), planner=primer_planner)
+                    dt, nread = timed(lambda: dcp.load(dest, storage_reader=s.make_reader(path),
+                                                       planner=planner(s, "load")))
                     err = _verify(job, s.name, spec, expected, dest,
                                   f"reshard/{job.where}/{layout}/{cache} rank {rank}")
                     flag = torch.tensor([0 if err is None else 1])
@@ -253,12 +270,13 @@ def run_stage(job: ReshardJob, ws: int) -> list[dict[str, Any]]:
 
 
 def make_job(stage: str, root: str, where: str, systems: list[str], standin: bool, spec: StateSpec,
-             repeats: int, caches: list[str], cold_method: str | None, corrupt: str | None) -> ReshardJob:
+             repeats: int, caches: list[str], cold_method: str | None, corrupt: str | None,
+             fresh_planners: bool = False) -> ReshardJob:
     fd, out = tempfile.mkstemp(prefix=f"reshard_{stage}_", suffix=".json")
     os.close(fd)
     return ReshardJob(stage=stage, root=root, where=where, systems=systems, standin=standin, spec=spec,
                       repeats=repeats, caches=caches, cold_method=cold_method,
-                      corrupt_after_load=corrupt, out_path=out)
+                      corrupt_after_load=corrupt, out_path=out, fresh_planners=fresh_planners)
 
 
 def run_reshard(ctx, wheres: list[str]) -> None:
@@ -277,7 +295,8 @@ def run_reshard(ctx, wheres: list[str]) -> None:
         for stage, ws in (("ws2", 2), ("ws4", 4)):
             ctx.progress(f"reshard  {where:<4} stage {stage}: spawning {ws} ranks ({spec.summary()})")
             job = make_job(stage, root, where, names, ctx.cfg.standin or any(s.standin for s in ctx.systems),
-                           spec, ctx.cfg.repeats, caches, ctx.cold_method, ctx.cfg.corrupt_after_load)
+                           spec, ctx.cfg.repeats, caches, ctx.cold_method, ctx.cfg.corrupt_after_load,
+                           ctx.cfg.fresh_planners)
             for r in run_stage(job, ws):
                 if r["op"] == "timing":
                     ctx.progress(f"reshard  {where:<4} stage {stage}: rank 0 started after {r['start_s']:.1f} s "

@@ -8,9 +8,12 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .floor import BASELINE_SYSTEMS, FLOOR, FLOOR_PLANNERS
 from .limits import Limits
+from .systems import PLANNER_SYSTEMS
 
 GIB = float(1 << 30)
+BARE_COPY = "bare_copy"
 
 # Config keys that describe which system produced the input rather than the case itself;
 # they are ignored when pairing a result with stock's result for a ratio.
@@ -20,7 +23,8 @@ SYSTEM_SPECIFIC_KEYS = frozenset({"ckpt_writer"})
 @dataclass
 class Result:
     scenario: str
-    system: str                      # "stock" | "stock_best" | "fastdcp"
+    system: str                      # "stock" | "stock_best" | "fastdcp" | "fastdcp_planners", or a
+                                     # baseline: "dcp_floor", "dcp_floor_planners", "bare_copy"
     config: dict[str, Any]           # the case: op, cache, layout, ...
     where: str                       # target name: "dir", "shm", "checkpoint"
     bytes: int                       # logical bytes moved per run (tensor payload)
@@ -37,6 +41,15 @@ class Result:
     ratio_vs_stock_best: float | None = None
     limit_gibps: float | None = None
     fraction_of_limit: float | None = None
+    # the baseline of the same case (DCP's floor in `small`, the bare copy for async `blocked`)
+    baseline: str | None = None
+    baseline_seconds: float | None = None
+    above_baseline_seconds: float | None = None   # own cost: median - baseline median
+    ratio_to_baseline: float | None = None        # median seconds / baseline median seconds
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.system in BASELINE_SYSTEMS
 
     def case_key(self) -> tuple[str, str, str]:
         cfg = {k: v for k, v in self.config.items() if k not in SYSTEM_SPECIFIC_KEYS}
@@ -91,8 +104,27 @@ def finalize(results: list[Result], limits: Limits | None) -> list[Result]:
             by_case.setdefault(r.case_key(), {})[r.system] = r
     for r in results:
         refs = by_case.get(r.case_key(), {})
+        if r.is_baseline:
+            continue
         for ref_name, attr in (("stock", "ratio_vs_stock"), ("stock_best", "ratio_vs_stock_best")):
             ref = refs.get(ref_name)
             if ref is not None and ref.gibps and r.gibps:
                 setattr(r, attr, r.gibps / ref.gibps)
+        base = refs.get(baseline_name(r.system, refs))
+        if base is not None and base.seconds_median and r.seconds_median is not None:
+            r.baseline = base.system
+            r.baseline_seconds = base.seconds_median
+            r.above_baseline_seconds = r.seconds_median - base.seconds_median
+            r.ratio_to_baseline = r.seconds_median / base.seconds_median
     return results
+
+
+def baseline_name(system: str, refs: dict[str, Any]) -> str | None:
+    """The baseline a system is compared with in a case: the bare copy when the case has one
+    (async `blocked`), else DCP's floor measured with the same planners (fastdcp's planners for
+    planner systems when that floor was measured, DCP's defaults otherwise)."""
+    if BARE_COPY in refs:
+        return BARE_COPY
+    if system in PLANNER_SYSTEMS and FLOOR_PLANNERS in refs:
+        return FLOOR_PLANNERS
+    return FLOOR if FLOOR in refs else None

@@ -16,8 +16,9 @@ from .config import BenchConfig, config_from_args, fmt_size
 from .limits import measure_limits
 from .machine import collect_machine
 from .pagecache import choose_cold_method
-from .report import (header_lines, print_report, reader_stats_lines, run_description, sort_for_report, table_lines,
-                     write_json, write_plot)
+from .floor import BASELINE_SYSTEMS
+from .report import (header_lines, print_report, reader_stats_lines, run_description, sort_for_report,
+                     summary_lines, table_lines, write_json, write_plot)
 from .reshard import run_reshard
 from .results import Recorder, finalize
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
@@ -92,10 +93,13 @@ def _run(cfg: BenchConfig, ctx: Context) -> int:
         elif scen == "small":
             run_small(ctx, [w for w in c.small_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "small")
+        elif scen in ("async", "gpu_async"):
+            SINGLE_PROCESS[scen](ctx, [w for w in c.async_wheres if w in ctx.targets] or ["dir"])
+            _release(ctx, "async")
         else:
             SINGLE_PROCESS[scen](ctx, wheres)
-            if scen in ("async", "gpu_save"):
-                _release(ctx, {"async": "async", "gpu_save": "gpu"}[scen])
+            if scen == "gpu_save":
+                _release(ctx, "gpu")
     return EXIT_OK
 
 
@@ -104,11 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\..*")
     progress = Progress()
+    system_notes: list[str] = []
     try:
-        systems = resolve_systems(cfg.systems, cfg.standin)
+        systems = resolve_systems(cfg.systems, cfg.standin, notes=system_notes)
     except FastDCPUnavailable as e:
         _banner(["BENCHMARK NOT RUN: fastdcp is not importable", str(e)])
         return EXIT_NO_FASTDCP
+    for n in system_notes:
+        progress(f"NOTE: {n}")
+    cfg.systems = [s.name for s in systems]
+    if not systems:
+        print("error: none of the requested systems can run", file=sys.stderr)
+        return EXIT_USAGE
     if cfg.checkpoint and not os.path.isfile(os.path.join(cfg.checkpoint, ".metadata")):
         print(f"error: {cfg.checkpoint} is not a DCP checkpoint (no .metadata)", file=sys.stderr)
         return EXIT_USAGE
@@ -123,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         facts_targets = dict(targets.paths)
         if cfg.checkpoint:
             facts_targets["checkpoint"] = os.path.abspath(cfg.checkpoint)
-        fast = ({"standin": True} if standin else fastdcp_build_info()) if "fastdcp" in cfg.systems else None
+        uses_fastdcp = any(n.startswith("fastdcp") for n in cfg.systems)
+        fast = ({"standin": True} if standin else fastdcp_build_info()) if uses_fastdcp else None
         machine = collect_machine(facts_targets, extra={"fastdcp": fast})
         cold = choose_cold_method(cfg.cold_method)
         limits = measure_limits(targets.paths, cfg.probe_bytes, cfg.probe_configs, cfg.memcpy_bytes,
                                 cfg.probe_method, progress)
         ctx = Context(cfg=cfg, systems=systems, targets=targets.paths, recorder=Recorder(),
-                      progress=progress, cold_method=cold)
+                      progress=progress, cold_method=cold, notes=list(system_notes))
         _memory_note(cfg, ctx)
         if cold is None:
             ctx.note("no way to make the page cache cold here: loads are warm only")
@@ -140,14 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         except VerificationError as e:
             _banner(["BENCHMARK FAILED: a loaded state dict is NOT bit-exact with what was saved", str(e)])
             return EXIT_VERIFY
-        results = sort_for_report(finalize(ctx.recorder.results, limits), cfg.systems)
+        order = [*cfg.systems, *BASELINE_SYSTEMS]
+        results = sort_for_report(finalize(ctx.recorder.results, limits), order)
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
-        print_report(["", *lines, "", *table_lines(results), "", *reader_stats_lines(results)])
+        print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",
+                      *reader_stats_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)
             progress(f"wrote {cfg.json_path}")
         if cfg.plot_path:
-            err = write_plot(cfg.plot_path, results, limits, cfg.systems)
+            err = write_plot(cfg.plot_path, results, limits, order)
             progress(f"plot: {err}" if err else f"wrote {cfg.plot_path}")
         progress(f"done in {progress.elapsed():.0f} s")
         return EXIT_OK

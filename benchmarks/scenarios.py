@@ -1,15 +1,19 @@
-"""Single-process scenarios: save, load (cold/warm), small tensors, async save, GPU variants,
-and loads of a user's existing checkpoint.
+"""Single-process scenarios: save, load (cold/warm), small tensors (with DCP's floor), async
+save (blocked vs durable time, against a bare copy), GPU variants, and loads of a user's
+existing checkpoint.
 
 Every scenario interleaves systems (A B C A B C ...) and verifies every loaded state dict
-bit-exact against what was saved; a mismatch raises VerificationError.
+bit-exact against what was saved; a mismatch raises VerificationError. (The floor's no-I/O
+"loads" load nothing by design and are the only loads not verified; see floor.py.)
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,14 +21,15 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from .config import BenchConfig, fmt_size
+from .floor import FLOOR, FLOOR_PLANNERS, NullStorageReader, NullStorageWriter
 from .pagecache import COLD_DROP, dir_bytes, fs_info, make_cold, same_device, warm_files
 from .results import GIB, Recorder
-from .state import (StateSpec, build_destination, build_state, clone_state, corrupt_one_byte,
-                    destination_from_metadata, llm_like_spec, scribble, small_tensor_spec,
-                    state_nbytes, verify_state)
+from .state import (SCRIBBLE_BYTE, StateSpec, build_destination, build_state, clone_state,
+                    corrupt_one_byte, destination_from_metadata, llm_like_spec, scribble,
+                    small_tensor_spec, state_nbytes, verify_state)
 from .systems import System
 
 
@@ -52,6 +57,21 @@ class Context:
     cold_method: str | None
     notes: list[str] = field(default_factory=list)
     _main: tuple[StateSpec, dict, dict] | None = None
+    _planners: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+
+    def planner(self, system: System, kind: str, scope: str) -> Any:
+        """The `kind` ("save" | "load") planner `system` uses in `scope` (a scenario/target):
+        None for DCP's default; else one object per (system, kind, scope), reused, or a new one
+        per call with --fresh-planners."""
+        factory = system.make_save_planner if kind == "save" else system.make_load_planner
+        if factory is None:
+            return None
+        if self.cfg.fresh_planners:
+            return factory()
+        key = (system.name, kind, scope)
+        if key not in self._planners:
+            self._planners[key] = factory()
+        return self._planners[key]
 
     def main_state(self) -> tuple[StateSpec, dict[str, Any], dict[str, Any]]:
         """(spec, source, preallocated destination) of the LLM-like state; built once."""
@@ -84,26 +104,30 @@ class Context:
 
 # --------------------------------------------------------------------------- primitives
 
-def timed_save(system: System, sd: dict[str, Any], path: str) -> float:
-    if os.path.exists(path):
+def timed_save(system: System, sd: dict[str, Any], path: str, planner: Any = None,
+               writer: Any = None) -> float:
+    """Seconds for one dcp.save (the writer is made outside the timing unless given)."""
+    if path and os.path.exists(path):
         shutil.rmtree(path)
     os.sync()  # flush unrelated dirty pages (e.g. from the rmtree) outside the timed region
     gc.collect()
+    writer = writer if writer is not None else system.make_writer(path)
     t0 = time.perf_counter()
-    dcp.save(sd, storage_writer=system.make_writer(path), no_dist=True)
+    dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
     return time.perf_counter() - t0
 
 
 def timed_load(system: System, dest: dict[str, Any], path: str, sync_cuda: bool = False,
-               reader_stats: dict[str, Any] | None = None) -> float:
+               reader_stats: dict[str, Any] | None = None, planner: Any = None,
+               reader: Any = None) -> float:
     """Seconds for one dcp.load; fills ``reader_stats`` with the reader's own counters
     (fastdcp's ``last_stats``: bytes needed vs read, requests, seconds per phase) when it has any."""
     gc.collect()
     if sync_cuda:
         torch.cuda.synchronize()
-    reader = system.make_reader(path)
+    reader = reader if reader is not None else system.make_reader(path)
     t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=reader, no_dist=True)
+    dcp.load(dest, storage_reader=reader, planner=planner, no_dist=True)
     if sync_cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -143,29 +167,40 @@ def _log(ctx: Context, scenario: str, where: str, system: str, label: str, rep: 
 
 
 def save_limit(where: str, tmpfs: bool) -> str:
-    return "memcpy" if tmpfs else f"write:{where}"
+    # On tmpfs too the limit is the probe's write of a new file: every saved byte lands in a page
+    # the kernel must allocate and fill, which costs several times a copy into memory already
+    # faulted in (the memcpy limit), so memcpy would understate how close a save gets.
+    return f"write:{where}"
 
 
 def load_limit(where: str, tmpfs: bool, cache: str) -> str:
     return f"read:{where}" if (cache == "cold" and not tmpfs) else "memcpy"
 
 
+def _fresh(factory: Callable[[], Any] | None) -> Any:
+    return factory() if factory is not None else None
+
+
 def _primer(ctx: Context, system: System, where: str) -> Callable[[], None] | None:
-    """A tiny checkpoint per system, loaded untimed after drop_caches."""
+    """A tiny checkpoint per system, loaded untimed after drop_caches (with planner objects of
+    its own, so that they never share state with the timed runs' planners)."""
     if ctx.cold_method != COLD_DROP:
         return None
     path = ctx.ckpt_dir(where, "primer", system.name)
     sd = {"primer": torch.arange(1024, dtype=torch.float32)}
     if not os.path.exists(os.path.join(path, ".metadata")):
-        dcp.save(sd, storage_writer=system.make_writer(path), no_dist=True)
+        dcp.save(sd, storage_writer=system.make_writer(path), planner=_fresh(system.make_save_planner),
+                 no_dist=True)
     dest = {"primer": torch.empty(1024, dtype=torch.float32)}
-    return lambda: dcp.load(dest, storage_reader=system.make_reader(path), no_dist=True)
+    return lambda: dcp.load(dest, storage_reader=system.make_reader(path),
+                            planner=_fresh(system.make_load_planner), no_dist=True)
 
 
 def _ensure_checkpoint(ctx: Context, system: System, sd: dict[str, Any], path: str) -> None:
     if not os.path.exists(os.path.join(path, ".metadata")):
         ctx.progress(f"writing {path} for loads ({system.name})")
-        dcp.save(sd, storage_writer=system.make_writer(path), no_dist=True)
+        dcp.save(sd, storage_writer=system.make_writer(path), planner=_fresh(system.make_save_planner),
+                 no_dist=True)
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -178,7 +213,7 @@ def run_save(ctx: Context, wheres: list[str]) -> None:
         for rep in range(ctx.cfg.repeats):
             for system in ctx.systems:
                 path = ctx.ckpt_dir(where, "ckpt", system.name)
-                dt = timed_save(system, src, path)
+                dt = timed_save(system, src, path, ctx.planner(system, "save", f"save/{where}"))
                 ctx.recorder.add("save", where, system.name, {"fsync": True}, nbytes, dt,
                                  save_limit(where, tmpfs), system.description, file_bytes=dir_bytes(path))
                 _log(ctx, "save", where, system.name, "fsync", rep, dt, nbytes)
@@ -186,7 +221,7 @@ def run_save(ctx: Context, wheres: list[str]) -> None:
             # Every checkpoint gets verified: by the load scenario when it runs, else here. fastdcp's
             # is also read back with the stock reader in full mode (format compatibility).
             loads_follow = "load" in ctx.cfg.scenarios
-            if loads_follow and (system.name != "fastdcp" or ctx.cfg.quick):
+            if loads_follow and (not system.name.startswith("fastdcp") or ctx.cfg.quick):
                 continue
             ctx.progress(f"save     {where:<4} {system.name:<10} checking the checkpoint with the stock reader")
             verify_with_stock_reader(src, spec, ctx.ckpt_dir(where, "ckpt", system.name),
@@ -217,7 +252,8 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
                     scribble(dest)
                     prepare_cache(ctx, cache, path, primers[system.name])
                     reader_stats: dict[str, Any] = {}
-                    dt = timed_load(system, dest, path, reader_stats=reader_stats)
+                    dt = timed_load(system, dest, path, reader_stats=reader_stats,
+                                    planner=ctx.planner(system, "load", f"load/{where}"))
                     check(ctx, system, src, dest, f"load/{where}/{cache}/ckpt_writer={writer.name}")
                     cfg = {"cache": cache, "ckpt_writer": writer.name}
                     if cache == "cold":
@@ -228,63 +264,381 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
                     _log(ctx, "load", where, system.name, f"{cache} ckpt={writer.name}", rep, dt, nbytes)
 
 
+def run_label(i: int) -> str:
+    """'1st' for the first save/load of a system in a case (first use of its writer/planner
+    objects, per-process plan caches cleared before it: System.start_cold), '2nd+' for the later
+    ones; reported separately so that one-time costs (planning, staging buffers, thread pools)
+    are visible instead of folded into a median."""
+    return "1st" if i == 0 else "2nd+"
+
+
+def _plan_counters(planner: Any) -> tuple[int, int] | None:
+    """(hits, misses) of a fastdcp planner's plan caches so far (local and, for saves, global
+    plans), or None for planners without such counters."""
+    if planner is None or not hasattr(planner, "local_plan_hits"):
+        return None
+    get = lambda n: int(getattr(planner, n, 0) or 0)  # noqa: E731
+    return (get("local_plan_hits") + get("global_plan_hits"),
+            get("local_plan_misses") + get("global_plan_misses"))
+
+
+def _timed_with_plan_stats(fn: Callable[[Any], float], planner: Any) -> tuple[float, dict[str, Any]]:
+    """Run fn(planner); extras saying whether the planner's plan caches hit ("plan_cache")."""
+    before = _plan_counters(planner)
+    dt = fn(planner)
+    after = _plan_counters(planner)
+    if before is None or after is None:
+        return dt, {}
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    return dt, {"plan_cache": "hit" if hits and not misses else "miss" if misses and not hits
+                else f"{hits} hits, {misses} misses"}
+
+
+def small_label(params: dict[str, Any]) -> str:
+    label = f"{params['count']}x{fmt_size(params['tensor_bytes'])}"
+    if params["large_count"]:
+        label += f"+{params['large_count']}x{fmt_size(params['large_bytes'])}"
+    return label.replace(" ", "")
+
+
+def floor_systems(ctx: Context) -> list[System]:
+    """DCP's floor: the same dcp.save/dcp.load with a storage that does no I/O (floor.py), with
+    DCP's default planners, and with the planners of the first planner system when one runs."""
+    out = [System(FLOOR, lambda p: NullStorageWriter(), lambda p: None,
+                  {"writer": "NullStorageWriter (no I/O)",
+                   "reader": "NullStorageReader (metadata of a real save; reads nothing)",
+                   "planners": "DCP defaults"})]
+    ps = next((s for s in ctx.systems if s.make_save_planner is not None), None)
+    if ps is not None:
+        out.append(System(FLOOR_PLANNERS, lambda p: NullStorageWriter(), lambda p: None,
+                          {"writer": "NullStorageWriter (no I/O)",
+                           "reader": "NullStorageReader (metadata of a real save; reads nothing)",
+                           "planners": ps.description.get("planners", ps.name)},
+                          standin=ps.standin, make_save_planner=ps.make_save_planner,
+                          make_load_planner=ps.make_load_planner, clear_caches=ps.clear_caches))
+    return out
+
+
 def run_small(ctx: Context, wheres: list[str]) -> None:
+    """Many tiny tensors (default 5,000 x 1 KiB, nothing else): save, then a warm load, per
+    system; the first save/load of each system (`run=1st`) apart from the later ones (`2nd+`).
+    With the floor on, DCP's own cost (no-I/O storage) is measured in the same interleaving."""
     c = ctx.cfg
     spec = small_tensor_spec(c.small_count, c.small_bytes, c.small_large_count, c.small_large_bytes)
     ctx.progress(f"building state: {spec.summary()}")
     src, dest = build_state(spec), build_destination(spec)
     nbytes = spec.tensor_bytes
-    p = spec.params
-    label = f"{p['count']}x{fmt_size(p['tensor_bytes'])}+{p['large_count']}x{fmt_size(p['large_bytes'])}"
-    label = label.replace(" ", "")
+    label = small_label(spec.params)
     repeats = c.small_repeats or c.repeats
+    floors = floor_systems(ctx) if c.floor else []
     for where in wheres:
         tmpfs = ctx.tmpfs(where)
+        scope = f"small/{where}"
+        metadata = None
+        failed: set[str] = set()
         for rep in range(repeats):
+            run = run_label(rep)
             for system in ctx.systems:
                 path = ctx.ckpt_dir(where, "small", system.name)
-                dt = timed_save(system, src, path)
-                ctx.recorder.add("small", where, system.name, {"op": "save", "tensors": label}, nbytes, dt,
-                                 save_limit(where, tmpfs), system.description, file_bytes=dir_bytes(path))
-                _log(ctx, "small", where, system.name, "save", rep, dt, nbytes, repeats)
+                if rep == 0:
+                    system.start_cold()
+                dt, stats = _timed_with_plan_stats(lambda pl: timed_save(system, src, path, pl),
+                                                   ctx.planner(system, "save", scope))
+                ctx.recorder.add("small", where, system.name, {"op": "save", "tensors": label, "run": run},
+                                 nbytes, dt, save_limit(where, tmpfs), system.description,
+                                 file_bytes=dir_bytes(path), **stats)
+                _log(ctx, "small", where, system.name, f"save {run}", rep, dt, nbytes, repeats)
                 scribble(dest)
                 warm_files(path)
-                dt = timed_load(system, dest, path)
+                dt, stats = _timed_with_plan_stats(lambda pl: timed_load(system, dest, path, planner=pl),
+                                                   ctx.planner(system, "load", scope))
                 check(ctx, system, src, dest, f"small/{where}")
-                ctx.recorder.add("small", where, system.name, {"op": "load", "tensors": label}, nbytes, dt,
-                                 "memcpy", system.description)
-                _log(ctx, "small", where, system.name, "load (warm)", rep, dt, nbytes, repeats)
+                ctx.recorder.add("small", where, system.name, {"op": "load", "tensors": label, "run": run},
+                                 nbytes, dt, "memcpy", system.description, **stats)
+                _log(ctx, "small", where, system.name, f"load {run} (warm)", rep, dt, nbytes, repeats)
+                if metadata is None and floors:  # untimed: the floor's reader replays it
+                    metadata = FileSystemReader(path).read_metadata()
+            for floor in floors:
+                if floor.name in failed:
+                    continue
+                if metadata is None:
+                    metadata = _capture_metadata(ctx, src, where)
+                try:
+                    if rep == 0:
+                        floor.start_cold()
+                    dt, stats = _timed_with_plan_stats(
+                        lambda pl: timed_save(floor, src, "", pl, writer=NullStorageWriter()),
+                        ctx.planner(floor, "save", scope))
+                    ctx.recorder.add("small", where, floor.name, {"op": "save", "tensors": label, "run": run},
+                                     nbytes, dt, None, floor.description, **stats)
+                    _log(ctx, "small", where, floor.name, f"save {run} (no I/O)", rep, dt, nbytes, repeats)
+                    dt2, stats = _timed_with_plan_stats(
+                        lambda pl: timed_load(floor, dest, "", planner=pl, reader=NullStorageReader(metadata)),
+                        ctx.planner(floor, "load", scope))
+                    ctx.recorder.add("small", where, floor.name, {"op": "load", "tensors": label, "run": run},
+                                     nbytes, dt2, None, floor.description, **stats)
+                    _log(ctx, "small", where, floor.name, f"load {run} (no I/O)", rep, dt2, nbytes, repeats)
+                except Exception as exc:  # e.g. planners that need a real storage layer
+                    failed.add(floor.name)
+                    ctx.note(f"{floor.name} not measured: dcp.save/load with a no-I/O storage and "
+                             f"{floor.description.get('planners')} failed ({type(exc).__name__}: {exc})")
+
+
+def _capture_metadata(ctx: Context, src: dict[str, Any], where: str) -> Any:
+    """Metadata of a real (stock, untimed) save of `src`, for the floor's reader."""
+    path = ctx.ckpt_dir(where, "small", "floor_metadata")
+    dcp.save(src, storage_writer=FileSystemWriter(path), no_dist=True)
+    md = FileSystemReader(path).read_metadata()
+    shutil.rmtree(path, ignore_errors=True)
+    return md
+
+
+# --------------------------------------------------------------------------- async
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _ProcessMode:
+    """What AsyncCheckpointerType.PROCESS needs in a single process: a process group (stock
+    reads rank/world size from it and broadcasts the daemon's store address over it, even with
+    no_dist=True), so a 1-rank gloo group is started here when none exists, and MASTER_ADDR
+    (else the daemon's store binds to the host's FQDN). The daemon is spawned once, by an
+    untimed warm-up save, so that no system's timed save pays for it."""
+
+    def __init__(self, ctx: Context) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.own_group = False
+        self.old_addr = os.environ.get("MASTER_ADDR")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                    world_size=1)
+            self.own_group = True
+        path = os.path.join(ctx.targets[next(iter(ctx.targets))], "async", "process_warmup")
+        t0 = time.perf_counter()
+        fut = dcp.async_save({"warmup": torch.zeros(4)}, storage_writer=FileSystemWriter(path),
+                             **_async_kwargs("process"))
+        getattr(fut, "upload_completion", fut).result()
+        shutil.rmtree(path, ignore_errors=True)
+        self.daemon_pid = self._daemon_pid()
+        ctx.progress(f"async    process mode: checkpoint daemon (pid {self.daemon_pid}) started in "
+                     f"{time.perf_counter() - t0:.1f} s (untimed warm-up save)")
+
+    @staticmethod
+    def _daemon_pid() -> int | None:
+        try:
+            from torch.distributed.checkpoint import _async_process_executor as ape
+
+            return ape._CHECKPOINT_PROCESS._save_process.pid  # private: best effort
+        except Exception:
+            return None
+
+    def settle(self, quiet_s: float = 0.05, max_s: float = 2.0) -> None:
+        """Wait (untimed) until the daemon has stopped using the CPU after its last save (it
+        keeps working for a while after answering, e.g. releasing the shared-memory state it
+        received): on a machine with few cores its leftovers would otherwise slow down the next
+        timed step, whichever system that is."""
+        if self.daemon_pid is None:
+            return
+        deadline = time.perf_counter() + max_s
+        last = _cpu_ticks(self.daemon_pid)
+        while last is not None and time.perf_counter() < deadline:
+            time.sleep(quiet_s)
+            now = _cpu_ticks(self.daemon_pid)
+            if now == last:
+                return
+            last = now
+
+    def close(self) -> None:
+        if self.own_group and self.dist.is_initialized():
+            self.dist.destroy_process_group()
+        if self.old_addr is None:
+            os.environ.pop("MASTER_ADDR", None)
+        else:
+            os.environ["MASTER_ADDR"] = self.old_addr
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _async_kwargs(mode: str) -> dict[str, Any]:
+    params = inspect.signature(dcp.async_save).parameters
+    kw: dict[str, Any] = {"no_dist": True} if "no_dist" in params else {}
+    if mode == "process":
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+    return kw
+
+
+def _bare_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], cuda: bool, rounds: int = 3) -> float:
+    """Seconds to copy every source tensor into its preallocated host buffer: what staging
+    cannot go below (torch copy_; from the GPU: non_blocking D2H into pinned memory + one
+    synchronize). The best of `rounds` back-to-back runs: a floor, not a typical time."""
+    gc.collect()
+    best = float("inf")
+    for _ in range(rounds):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for dst, s in pairs:
+            dst.copy_(s, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _canary_name(spec: StateSpec) -> str:
+    small = [t for t in spec.tensors if t.dtype == torch.float32 and len(t.shape) == 1]
+    return (small or list(spec.tensors))[-1].name
+
+
+def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str) -> None:
+    """dcp.async_save with ONE writer object per system (staging buffers may be reused), new
+    directories through checkpoint_id=. Per save: `blocked` = until the caller may modify the
+    state again (async_save returned, plus its staging future when it returns one); `durable` =
+    until the upload future's result (files and .metadata written). Per save, interleaved: the
+    bare copy of the same tensors into preallocated host buffers (`bare_copy`, the floor of
+    `blocked`). One tensor (the canary) and the `step` entry change before every save and are
+    overwritten right after `blocked`; every checkpoint is then loaded and verified bit-exact
+    (it must hold the values from before the overwrite)."""
+    cuda = device == "cuda"
+    spec, src_cpu, dest = ctx.main_state()
+    nbytes = spec.tensor_bytes
+    src = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in src_cpu.items()} if cuda else src_cpu
+    canary_name = _canary_name(spec)
+    canary = src[canary_name]
+    canary_orig = canary.clone()
+    step_orig = src.get("step")
+    pin = torch.cuda.is_available()
+    pairs = [(torch.empty(v.shape, dtype=v.dtype, pin_memory=pin).fill_(0), v)
+             for v in src.values() if isinstance(v, torch.Tensor)]
+    _bare_copy(pairs, cuda, rounds=1)  # untimed: first touch of both sides, allocator warm
+    saves = ctx.cfg.async_saves or ctx.cfg.repeats + 1
+    bare_descr = {"what": "copy_ of every tensor into preallocated " + ("pinned " if pin else "")
+                          + "host tensors" + (" (non_blocking D2H + synchronize)" if cuda else "")}
+    blocked_limit = "d2h" if cuda else "memcpy"
+    try:
+        for mode in ctx.cfg.async_modes:
+            proc = None
+            if mode == "process":
+                try:
+                    proc = _ProcessMode(ctx)
+                except Exception as exc:
+                    ctx.note(f"{scenario} process mode not measured: {type(exc).__name__}: {exc}")
+                    continue
+            try:
+                for where in wheres:
+                    _async_where(ctx, scenario, where, mode, src, src_cpu, dest, canary_name, canary_orig,
+                                 step_orig, pairs, saves, cuda, nbytes, bare_descr, blocked_limit,
+                                 proc.settle if proc is not None else (lambda: None))
+            finally:
+                if proc is not None:
+                    proc.close()
+    finally:
+        canary.copy_(canary_orig)
+        if step_orig is not None:
+            src["step"] = step_orig
+        if cuda:
+            del src, pairs
+            torch.cuda.empty_cache()
+
+
+def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[str, Any],
+                 src_cpu: dict[str, Any], dest: dict[str, Any], canary_name: str,
+                 canary_orig: torch.Tensor, step_orig: Any, pairs: list, saves: int, cuda: bool,
+                 nbytes: int, bare_descr: dict[str, Any], blocked_limit: str,
+                 settle: Callable[[], None]) -> None:
+    tmpfs = ctx.tmpfs(where)
+    durable_limit = ("d2h" if tmpfs else f"min(d2h,write:{where})") if cuda else save_limit(where, tmpfs)
+    root = os.path.join(ctx.targets[where], "async", mode)
+    canary = src[canary_name]
+    writers: dict[str, Any] = {}
+    failed: set[str] = set()
+    kwargs = _async_kwargs(mode)
+    for i in range(saves):
+        run = run_label(i)
+        settle()
+        dt = _bare_copy(pairs, cuda)
+        ctx.recorder.add(scenario, where, "bare_copy", {"mode": mode, "run": run, "phase": "blocked"}, nbytes,
+                         dt, blocked_limit, bare_descr)
+        _log(ctx, scenario, where, "bare_copy", f"{mode} {run}", i, dt, nbytes, saves)
+        for si, system in enumerate(ctx.systems):
+            if system.name in failed:
+                continue
+            path = os.path.join(root, system.name, f"save{i}")
+            if system.name not in writers:
+                writers[system.name] = system.async_writer(path)
+            if i == 0:
+                system.start_cold()
+            # the values this checkpoint must hold
+            key = ((i * 64 + si + 1) * 0x01000193) & 0x7FFFFFFF
+            canary.copy_(canary_orig)
+            canary.view(torch.int32).bitwise_xor_(key)
+            expected = dict(src_cpu)
+            expected[canary_name] = canary.cpu().clone() if cuda else canary.clone()
+            if step_orig is not None:
+                src["step"] = expected["step"] = int(step_orig) * 1000 + i
+            os.sync()
+            gc.collect()
+            settle()
+            if cuda:
+                torch.cuda.synchronize()
+            try:
+                t0 = time.perf_counter()
+                resp = dcp.async_save(src, checkpoint_id=path, storage_writer=writers[system.name],
+                                      planner=ctx.planner(system, "save", f"{scenario}/{where}/{mode}"), **kwargs)
+                staging = getattr(resp, "staging_completion", None)  # AsyncSaveResponse (newer torch)
+                if staging is not None:
+                    staging.result()
+                t_blocked = time.perf_counter() - t0
+                # the caller is free: it modifies the state at once (the checkpoint must not see it)
+                canary.view(torch.uint8).fill_(SCRIBBLE_BYTE)
+                if step_orig is not None:
+                    src["step"] = -1
+                getattr(resp, "upload_completion", resp).result()
+                t_durable = time.perf_counter() - t0
+            except Exception as exc:
+                if mode != "process":
+                    raise
+                failed.add(system.name)
+                ctx.note(f"{scenario} process mode: {system.name} failed ({type(exc).__name__}: {exc}); "
+                         f"left out of that mode")
+                continue
+            base = {"mode": mode, "run": run}
+            ctx.recorder.add(scenario, where, system.name, {**base, "phase": "blocked"}, nbytes, t_blocked,
+                             blocked_limit, system.description)
+            ctx.recorder.add(scenario, where, system.name, {**base, "phase": "durable"}, nbytes, t_durable,
+                             durable_limit, system.description)
+            _log(ctx, scenario, where, system.name, f"{mode} {run} blocked", i, t_blocked, nbytes, saves)
+            _log(ctx, scenario, where, system.name, f"{mode} {run} durable", i, t_durable, nbytes, saves)
+            scribble(dest)
+            dcp.load(dest, storage_reader=system.make_reader(path), no_dist=True)
+            check(ctx, system, expected, dest, f"{scenario}/{where}/{mode}/save{i}")
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def run_async(ctx: Context, wheres: list[str]) -> None:
-    spec, src, dest = ctx.main_state()
-    nbytes = spec.tensor_bytes
-    for where in wheres:
-        tmpfs = ctx.tmpfs(where)
-        for rep in range(ctx.cfg.repeats):
-            for system in ctx.systems:
-                path = ctx.ckpt_dir(where, "async", system.name)
-                if os.path.exists(path):
-                    shutil.rmtree(path)
-                os.sync()
-                gc.collect()
-                t0 = time.perf_counter()
-                fut = dcp.async_save(src, storage_writer=system.make_writer(path), no_dist=True)
-                t_ret = time.perf_counter() - t0
-                upload = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse (newer torch)
-                upload.result()
-                t_done = time.perf_counter() - t0
-                ctx.recorder.add("async", where, system.name, {"phase": "call returned"}, nbytes, t_ret,
-                                 "memcpy", system.description)
-                ctx.recorder.add("async", where, system.name, {"phase": "durable"}, nbytes, t_done,
-                                 save_limit(where, tmpfs), system.description)
-                _log(ctx, "async", where, system.name, "call returned", rep, t_ret, nbytes)
-                _log(ctx, "async", where, system.name, "durable (.result())", rep, t_done, nbytes)
-        for system in ctx.systems:
-            path = ctx.ckpt_dir(where, "async", system.name)
-            scribble(dest)
-            dcp.load(dest, storage_reader=system.make_reader(path), no_dist=True)
-            check(ctx, system, src, dest, f"async/{where}")
+    _run_async(ctx, wheres, "async", "cpu")
+
+
+def run_gpu_async(ctx: Context, wheres: list[str]) -> None:
+    if not torch.cuda.is_available():
+        ctx.note("gpu_async skipped: CUDA is not available")
+        return
+    _run_async(ctx, wheres, "gpu_async", "cuda")
 
 
 def run_gpu_save(ctx: Context, wheres: list[str]) -> None:
@@ -301,7 +655,7 @@ def run_gpu_save(ctx: Context, wheres: list[str]) -> None:
             for system in ctx.systems:
                 path = ctx.ckpt_dir(where, "gpu", system.name)
                 torch.cuda.synchronize()
-                dt = timed_save(system, src_gpu, path)
+                dt = timed_save(system, src_gpu, path, ctx.planner(system, "save", f"gpu_save/{where}"))
                 ctx.recorder.add("gpu_save", where, system.name, {"device": "cuda"}, nbytes, dt, limit,
                                  system.description)
                 _log(ctx, "gpu_save", where, system.name, "cuda", rep, dt, nbytes)
@@ -327,7 +681,8 @@ def run_gpu_load(ctx: Context, wheres: list[str]) -> None:
                 path = ctx.ckpt_dir(where, "ckpt", system.name)
                 scribble(dest)
                 warm_files(path)
-                dt = timed_load(system, dest, path, sync_cuda=True)
+                dt = timed_load(system, dest, path, sync_cuda=True,
+                                planner=ctx.planner(system, "load", f"gpu_load/{where}"))
                 check(ctx, system, src, dest, f"gpu_load/{where}")
                 ctx.recorder.add("gpu_load", where, system.name, {"device": "cuda", "cache": "warm"}, nbytes,
                                  dt, "min(h2d,memcpy)", system.description)
@@ -358,7 +713,7 @@ def run_checkpoint_load(ctx: Context, checkpoint: str, dir_where: str | None) ->
             for cache in caches:
                 scribble(dest)
                 prepare_cache(ctx, cache, checkpoint, primers[system.name])
-                dt = timed_load(system, dest, checkpoint)
+                dt = timed_load(system, dest, checkpoint, planner=ctx.planner(system, "load", "checkpoint"))
                 check(ctx, system, reference, dest, f"checkpoint/{cache}")
                 cfg = {"cache": cache, "source": "user checkpoint"}
                 if cache == "cold":
@@ -375,4 +730,5 @@ SINGLE_PROCESS = {
     "async": run_async,
     "gpu_save": run_gpu_save,
     "gpu_load": run_gpu_load,
+    "gpu_async": run_gpu_async,
 }

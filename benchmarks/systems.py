@@ -1,25 +1,39 @@
-"""The storage layers being compared: stock DCP (default and best-tuned) and fastdcp.
+"""The storage layers being compared: stock DCP (default and best-tuned), fastdcp's storage
+layer with DCP's default planners (`fastdcp`), and with fastdcp's planners (`fastdcp_planners`:
+`fastdcp.FastSavePlanner()` / `fastdcp.FastLoadPlanner()`).
 
 `fastdcp` must import for a default run; if it does not, the benchmark stops with
-FastDCPUnavailable (exit code 4). For developing the harness before fastdcp exists, setting
-FASTDCP_BENCH_STANDIN=1 makes the `fastdcp` system use the stock classes instead; every
-result then carries `"standin": true` and the report says so in capitals.
+FastDCPUnavailable (exit code 4). When fastdcp imports but has no usable planners,
+`fastdcp_planners` is left out of the run with a note saying why (never silently).
+For developing the harness before fastdcp exists, setting FASTDCP_BENCH_STANDIN=1 makes the
+`fastdcp` systems use the stock classes (and DCP's default planners) instead; every result then
+carries `"standin": true` and the report says so in capitals.
+
+Planner objects: by default one per system and scenario, reused for its saves/loads (as a
+training loop would keep one); `--fresh-planners` makes a new one for every call.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 STANDIN_ENV = "FASTDCP_BENCH_STANDIN"
-SYSTEM_NAMES = ("stock", "stock_best", "fastdcp")
+SYSTEM_NAMES = ("stock", "stock_best", "fastdcp", "fastdcp_planners")
+PLANNER_SYSTEMS = ("fastdcp_planners",)
 
 
 class FastDCPUnavailable(RuntimeError):
     """fastdcp was requested but cannot be imported."""
+
+
+class SystemUnavailable(RuntimeError):
+    """An optional system (fastdcp_planners) cannot be built; the message says why."""
 
 
 @dataclass
@@ -29,6 +43,22 @@ class System:
     make_reader: Callable[[str], Any]
     description: dict[str, Any] = field(default_factory=dict)
     standin: bool = False
+    # Planner factories (no arguments); None: DCP's default planners (a new one per call).
+    make_save_planner: Callable[[], Any] | None = None
+    make_load_planner: Callable[[], Any] | None = None
+    # Writer for dcp.async_save (reused across saves); None: make_writer.
+    make_async_writer: Callable[[str], Any] | None = None
+    # Forgets per-process caches (fastdcp.clear_plan_caches: the planners' plan caches are per
+    # process, keyed by state structure, shared by every planner object); called before a
+    # system's first (`run=1st`) save so that it starts cold whatever ran before it.
+    clear_caches: Callable[[], None] | None = None
+
+    def start_cold(self) -> None:
+        if self.clear_caches is not None:
+            self.clear_caches()
+
+    def async_writer(self, path: str) -> Any:
+        return (self.make_async_writer or self.make_writer)(path)
 
 
 def standin_requested() -> bool:
@@ -41,10 +71,18 @@ def _stock() -> System:
 
 
 def _stock_best() -> System:
+    # For async_save, stock's own staging reuse (cache_staged_state_dict=True: pinned buffers kept
+    # by the writer) is its best setting; it needs an accelerator (pin_memory), so CUDA only.
+    cached = torch.cuda.is_available()
     return System("stock_best", lambda p: FileSystemWriter(p, thread_count=4),
                   lambda p: FileSystemReader(p),
                   {"writer": "FileSystemWriter(thread_count=4)",
-                   "reader": "FileSystemReader() (no knob)"})
+                   "async_writer": "FileSystemWriter(thread_count=4"
+                                   + (", cache_staged_state_dict=True)" if cached else
+                                      ") (cache_staged_state_dict needs CUDA for pinned memory)"),
+                   "reader": "FileSystemReader() (no knob)"},
+                  make_async_writer=lambda p: FileSystemWriter(p, thread_count=4,
+                                                               cache_staged_state_dict=cached))
 
 
 def _fastdcp(standin: bool) -> System:
@@ -67,6 +105,39 @@ def _fastdcp(standin: bool) -> System:
                    "build_info": fastdcp_build_info()})
 
 
+def _fastdcp_planners(standin: bool) -> System:
+    if standin:
+        from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+        return System("fastdcp_planners", lambda p: FileSystemWriter(p), lambda p: FileSystemReader(p),
+                      {"writer": "STAND-IN FileSystemWriter(thread_count=1)",
+                       "reader": "STAND-IN FileSystemReader()",
+                       "planners": "STAND-IN DefaultSavePlanner() / DefaultLoadPlanner()"},
+                      standin=True, make_save_planner=DefaultSavePlanner, make_load_planner=DefaultLoadPlanner)
+    base = _fastdcp(False)  # raises FastDCPUnavailable when fastdcp itself does not import
+    import fastdcp
+
+    missing = [n for n in ("FastSavePlanner", "FastLoadPlanner") if not hasattr(fastdcp, n)]
+    if missing:
+        raise SystemUnavailable(f"fastdcp_planners not run: fastdcp has no {' / '.join(missing)}")
+    save_cls, load_cls = fastdcp.FastSavePlanner, fastdcp.FastLoadPlanner
+    try:  # the no-argument constructors the benchmark uses
+        save_cls()
+        load_cls()
+    except Exception as exc:
+        raise SystemUnavailable(f"fastdcp_planners not run: fastdcp.FastSavePlanner() / "
+                                f"FastLoadPlanner() failed ({type(exc).__name__}: {exc})") from exc
+    descr = dict(base.description)
+    descr["planners"] = "fastdcp.FastSavePlanner() / fastdcp.FastLoadPlanner()"
+    # the planners' per-process plan caches: cleared before each case's first (run=1st) save
+    clear = getattr(fastdcp, "clear_plan_caches", None) or \
+        getattr(sys.modules.get(save_cls.__module__), "clear_plan_caches", None)
+    descr["plan_caches"] = (f"{save_cls.__module__}.clear_plan_caches() before run=1st" if clear else
+                            "no clear_plan_caches(): run=1st may reuse plans cached by earlier runs")
+    return System("fastdcp_planners", base.make_writer, base.make_reader, descr,
+                  make_save_planner=save_cls, make_load_planner=load_cls, clear_caches=clear)
+
+
 def fastdcp_build_info() -> dict[str, Any] | None:
     try:
         import fastdcp
@@ -76,8 +147,12 @@ def fastdcp_build_info() -> dict[str, Any] | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def resolve_systems(names: list[str] | tuple[str, ...], standin: bool | None = None) -> list[System]:
-    """System objects for `names`, in order. Raises FastDCPUnavailable, ValueError."""
+def resolve_systems(names: list[str] | tuple[str, ...], standin: bool | None = None,
+                    notes: list[str] | None = None) -> list[System]:
+    """System objects for `names`, in order. Raises FastDCPUnavailable, ValueError.
+
+    An optional system that cannot be built (fastdcp_planners without usable planners) is left
+    out with a note appended to `notes`; without a `notes` list it raises SystemUnavailable."""
     if standin is None:
         standin = standin_requested()
     out: list[System] = []
@@ -88,6 +163,13 @@ def resolve_systems(names: list[str] | tuple[str, ...], standin: bool | None = N
             out.append(_stock_best())
         elif n == "fastdcp":
             out.append(_fastdcp(standin))
+        elif n == "fastdcp_planners":
+            try:
+                out.append(_fastdcp_planners(standin))
+            except SystemUnavailable as exc:
+                if notes is None:
+                    raise
+                notes.append(str(exc))
         else:
             raise ValueError(f"unknown system {n!r}; choose from {', '.join(SYSTEM_NAMES)}")
     return out
