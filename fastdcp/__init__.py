@@ -16,6 +16,7 @@ from . import _C
 from ._blob import BlobFormatError
 from ._integrity import ChecksumError
 from ._metadata import CheckpointFormatError, CheckpointNotFoundError
+from .planner import FastLoadPlanner, FastSavePlanner
 from .reader import FastFileSystemReader
 from .writer import FastFileSystemWriter
 
@@ -23,6 +24,8 @@ __version__ = "0.1.0"
 __all__ = [
     "FastFileSystemWriter",
     "FastFileSystemReader",
+    "FastSavePlanner",
+    "FastLoadPlanner",
     "BlobFormatError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",

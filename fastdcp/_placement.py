@@ -94,14 +94,16 @@ def plan_placement(item: ReadItem, info: _StorageInfo, blob: TensorBlobInfo, tar
                    file: "_C.File", windows: list) -> Placement:
     """Describe how ``item`` gets from the file into ``target`` (validating the request against the
     stored tensor, since metadata and files may disagree in a damaged checkpoint)."""
-    where = f"{file.path} (blob at offset {info.offset}, item {item.storage_index.fqn})"
+    def where() -> str:  # for error messages only: formatting it costs more than the checks
+        return f"{file.path} (blob at offset {info.offset}, item {item.storage_index.fqn})"
+
     ndim = len(blob.size)
     offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
     if len(offsets) != ndim or len(lengths) != ndim:
-        raise BlobFormatError(f"{where}: request has {len(lengths)} dims, stored tensor has {ndim}")
+        raise BlobFormatError(f"{where()}: request has {len(lengths)} dims, stored tensor has {ndim}")
     for d, (o, n, size) in enumerate(zip(offsets, lengths, blob.size)):
         if o < 0 or n < 0 or o + n > size:
-            raise BlobFormatError(f"{where}: request [{o}, {o + n}) on dim {d} is outside the stored size {size}")
+            raise BlobFormatError(f"{where()}: request [{o}, {o + n}) on dim {d} is outside the stored size {size}")
     if tuple(target.shape) != lengths:
         raise AssertionError(f"req {item.storage_index} mismatch sizes {tuple(target.shape)} vs {lengths}")
     placement = Placement(item, target)
@@ -111,7 +113,9 @@ def plan_placement(item: ReadItem, info: _StorageInfo, blob: TensorBlobInfo, tar
     first = blob.storage_offset + sum(o * s for o, s in zip(offsets, blob.stride))
     last = first + sum((n - 1) * s for n, s in zip(lengths, blob.stride))
     if (last + 1) * itemsize > blob.storage_nbytes:
-        raise BlobFormatError(f"{where}: the requested elements end past the stored data ({blob.storage_nbytes} bytes)")
+        raise BlobFormatError(
+            f"{where()}: the requested elements end past the stored data ({blob.storage_nbytes} bytes)"
+        )
     span_start = info.offset + blob.data_offset + first * itemsize
     span_nbytes = (last - first + 1) * itemsize
     _add_pieces(placement, file, span_start, span_nbytes, blob.dtype, lengths, tuple(blob.stride), target, windows)
