@@ -49,14 +49,12 @@ cache; like DCP's own code, callers must not mutate a plan's item list or metada
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import inspect
 import pickle
 import threading
 from collections import ChainMap, OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +85,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items
 from torch.distributed.tensor import DTensor
 
+from ._gc import gc_paused
+
 __all__ = ["FastSavePlanner", "FastLoadPlanner", "clear_plan_caches"]
 
 # How many state-dict structures each cache remembers (LRU). A training job saving a model and an
@@ -94,28 +94,6 @@ __all__ = ["FastSavePlanner", "FastLoadPlanner", "clear_plan_caches"]
 _CACHE_ENTRIES = 8
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-# ============================================================================================= #
-# Garbage collection
-# ============================================================================================= #
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while thousands of small acyclic objects are created.
-
-    Every 700 allocations CPython runs a collection, and every so often a full one that walks the
-    whole heap (every module, every tensor object of a training process): building or unpickling a
-    5,000-item plan triggers several. Nothing built here is cyclic, so nothing is lost by waiting."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 # ============================================================================================= #
@@ -150,7 +128,7 @@ def _unpack_items(blob: bytes) -> _PackedItems:
         if items is not None:
             _unpacked.move_to_end(blob)
     if items is None:
-        with _gc_paused():
+        with gc_paused():
             items = tuple(pickle.loads(blob))
         _remember_blob(blob, items)
     return _PackedItems(items, blob)
@@ -401,7 +379,7 @@ def _flatten(state_dict: Mapping[Any, Any], *, flatten_sharded: bool, for_load: 
                 if check_gaps and len(flat) == before:
                     raise _NeedsStock
 
-    with _gc_paused():
+    with gc_paused():
         for key, value in state_dict.items():
             visit((str(key),), value)
     return _FlatStateDict(flat, paths, signatures, dropped)
@@ -741,7 +719,7 @@ class FastSavePlanner(DefaultSavePlanner):
             self.plan = SavePlan(cached.items, planner_data=planner_data)
             return self.plan
         self.local_plan_misses += 1
-        with _gc_paused():
+        with gc_paused():
             items = _PackedItems(_local_write_items(self.state_dict))
         if self._structure_key is not None:
             _local_save_plans.put(self._structure_key, _CachedLocalSavePlan(items, self.mappings))
@@ -775,7 +753,7 @@ class FastSavePlanner(DefaultSavePlanner):
     def _plan_globally(self, setting: tuple[Any, ...], all_plans: list[SavePlan]) -> _CachedGlobalSavePlan:
         if not all(getattr(plan, "usable", True) for plan in all_plans):  # older torch: no field
             raise ValueError("FastSavePlanner received an unusable (delta) plan; it only plans full local plans")
-        with _gc_paused():
+        with gc_paused():
             deduped = _dedup_plans([list(plan.items) for plan in all_plans], self.dedup_save_to_lowest_rank)
             new_items, state_dict_metadata = _global_plans_and_metadata(deduped)
             global_items = [
@@ -833,7 +811,7 @@ def _metadata_key(metadata: Metadata) -> tuple[Any, ...] | None:
     boxes (not file names or offsets, so other checkpoints of the same model share plans)."""
     key: list[Any] = []
     append = key.append
-    with _gc_paused():
+    with gc_paused():
         for fqn, md in metadata.state_dict_metadata.items():
             if type(md) is TensorStorageMetadata:
                 chunks = md.chunks
@@ -963,7 +941,7 @@ class FastLoadPlanner(DefaultLoadPlanner):
         missing = self.metadata.state_dict_metadata.keys() - self.state_dict.keys()
         if missing and self.flatten_state_dict and _has_legacy_keys(self.original_state_dict, missing):
             return super().create_local_plan()  # a pre-2.4 checkpoint: stock re-flattens
-        with _gc_paused():
+        with gc_paused():
             items = _PackedItems(_local_read_items(self.state_dict, self.metadata, not self.allow_partial_load))
         if key is not None:
             _local_load_plans.put(key, items)

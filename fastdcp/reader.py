@@ -45,7 +45,7 @@ from ._metadata import (
     resolve_data_file,
 )
 from ._placement import Placement, find_window, plan_placement, run_placements
-from .planner import _gc_paused
+from ._gc import gc_paused
 
 __all__ = ["FastFileSystemReader"]
 
@@ -95,7 +95,7 @@ class _MetadataCache:
                     self._entries.move_to_end(key)
             if cached is not None:
                 return _copy_metadata(cached)
-        with _gc_paused():  # tens of thousands of small objects; see fastdcp.planner._gc_paused
+        with gc_paused():  # tens of thousands of small objects; see fastdcp._gc
             metadata = load_metadata(path, rank=rank, allow_unsafe=allow_unsafe)
         if key is not None and self._identity(path, rank) == before:
             with self._lock:
@@ -326,7 +326,7 @@ class FastFileSystemReader(FileSystemReader):
         stock_items: list[ReadItem] = []
         per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]] = defaultdict(list)
         storage_data = self.storage_data
-        with _gc_paused():  # a few small objects per item: see fastdcp.planner._gc_paused
+        with gc_paused():  # a few small objects per item: see fastdcp._gc
             for item in plan.items:
                 info: _StorageInfo = storage_data[item.storage_index]
                 if getattr(info, "transform_descriptors", None):
@@ -336,7 +336,7 @@ class FastFileSystemReader(FileSystemReader):
         if stock_items:
             super().read_data(LoadPlan(stock_items), planner).wait()
         if per_file:
-            with _gc_paused():
+            with gc_paused():
                 self._read_native(per_file, planner)
         fut: Future[None] = Future()
         fut.set_result(None)

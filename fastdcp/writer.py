@@ -53,6 +53,7 @@ from . import _C
 from ._blob import DATA_ALIGN, ZIP_ALIGN, tensor_blob_layout
 from ._device_writes import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from ._engine import DIRECT_ALIGN, IoOptions, _env_flag, get_engine
+from ._gc import gc_paused
 from ._metadata import CHECKSUM_ATTRIBUTE, load_metadata
 from ._stager import StateDictStager
 
@@ -413,16 +414,22 @@ class FastFileSystemWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage_plan: _StoragePrefix = plan.storage_data
+        written_prefix: str | None = None  # set once this save owns the prefix it writes under
         try:
+            storage_plan = self._unused_prefix(storage_plan)
+            written_prefix = storage_plan.prefix
+            plan = dataclasses.replace(plan, storage_data=storage_plan)
             if self._stock_writes_everything():
                 return super().write_data(plan, planner)
-            return self._write_data_fast(storage_plan, plan, planner)
+            with gc_paused():  # a few objects per item (segments, results): see fastdcp._gc
+                return self._write_data_fast(storage_plan, plan, planner)
         except BaseException as error:
             # Drop what the failed save holds (file images, staged copies) before the exception
             # travels on: DCP keeps it, with its frames, inside a CheckpointException.
             if error.__traceback__ is not None:
                 traceback.clear_frames(error.__traceback__.tb_next)
-            self._remove_partial_files(storage_plan.prefix)
+            if written_prefix is not None:
+                self._remove_partial_files(written_prefix)
             directory = str(self.path)
             if isinstance(error, FileNotFoundError) and not os.path.isdir(directory):
                 raise FileNotFoundError(
@@ -436,6 +443,26 @@ class FastFileSystemWriter(FileSystemWriter):
             # This rank's data is written (or the save failed): a staged state dict's slab may be
             # refilled by the next stage().
             self._release_staging()
+
+    def _unused_prefix(self, storage_plan: _StoragePrefix) -> _StoragePrefix:
+        """``storage_plan``, or a fresh ``__{rank}_{token}_`` prefix when files under it exist.
+
+        A save never writes into an existing file (that is what keeps overwriting atomic). The
+        prefix normally comes fresh from :meth:`prepare_global_plan`, but a planner may hand back
+        an old final plan instead: stock ``DefaultSavePlanner(enable_plan_caching=True)`` reuses the
+        previous save's plans, prefix included, which would rewrite the live checkpoint's files
+        in place. The write results carry the file names, so the metadata names the new files."""
+        prefix = storage_plan.prefix
+        directory = str(self.path)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return storage_plan
+        if not any(name.startswith(prefix) for name in names):
+            return storage_plan
+        match = re.match(r"^__(\d+)_", prefix)
+        rank = match.group(1) if match else str(getattr(self, "rank", 0) or 0)
+        return _StoragePrefix(f"__{rank}_{_new_token(directory)}_")
 
     def _remove_partial_files(self, prefix: str) -> None:
         """Best effort: delete the data files of a failed save. Only under a prefix this writer
@@ -583,7 +610,7 @@ class FastFileSystemWriter(FileSystemWriter):
         try:
             if self.sync_files:
                 _fsync_directory(directory)  # the data files' entries, before anything names them
-            with open(tmp_path, "wb") as f:
+            with open(tmp_path, "wb") as f, gc_paused():
                 pickle.dump(metadata, f)
                 f.flush()
                 if self.sync_files:

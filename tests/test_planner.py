@@ -564,13 +564,15 @@ def test_blob_differing_from_the_layout_is_parsed(tmp_path):
 def test_gc_pause_restores_the_collector():
     import gc
 
+    from fastdcp._gc import gc_paused
+
     assert gc.isenabled()
-    with P._gc_paused():
+    with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
     gc.disable()
     try:
-        with P._gc_paused():
+        with gc_paused():
             pass
         assert not gc.isenabled()  # a caller's choice is left alone
     finally:

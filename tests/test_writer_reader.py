@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import warnings
@@ -213,3 +214,33 @@ def test_overwrite_false_raises_like_stock(tmp_path):
     for writer in (FileSystemWriter(tmp_path, overwrite=False), FastFileSystemWriter(tmp_path, overwrite=False)):
         with pytest.raises(CheckpointException, match="already exists"):
             _save(_state(), writer)
+
+
+def test_a_reused_plan_never_rewrites_the_live_files(tmp_path, monkeypatch):
+    """Stock ``DefaultSavePlanner(enable_plan_caching=True)`` hands the second save the first
+    save's final plans, file prefix included: the writer must still write new files (never open a
+    file the live checkpoint references) and name them in the metadata."""
+    import fastdcp.writer as writer_module
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    if "enable_plan_caching" not in inspect.signature(DefaultSavePlanner.__init__).parameters:
+        pytest.skip("this torch's DefaultSavePlanner has no plan caching")
+    first = _state(1)
+    dcp.save(first, storage_writer=FastFileSystemWriter(tmp_path), planner=DefaultSavePlanner(enable_plan_caching=True),
+             no_dist=True)
+    live = {info.relative_path for info in FileSystemReader(tmp_path).read_metadata().storage_data.values()}
+    opened = []
+    real_file = writer_module._C.File
+
+    def recording_file(path, mode, direct):
+        opened.append(os.path.basename(path))
+        return real_file(path, mode, direct)
+
+    monkeypatch.setattr(writer_module._C, "File", recording_file)
+    second = _state(2)
+    dcp.save(second, storage_writer=FastFileSystemWriter(tmp_path), planner=DefaultSavePlanner(enable_plan_caching=True),
+             no_dist=True)
+    assert opened and not set(opened) & live, f"the second save rewrote live files {set(opened) & live}"
+    out = _empty_like(second)
+    _load(out, FileSystemReader(tmp_path))
+    _assert_same(second, out)
