@@ -25,7 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_cases as C
-from _crash_worker import Zygote, classify, make_state
+from _crash_worker import classify, make_state
+from test_crash import SEED, zygote  # noqa: F401 - the crash tests' zygote fixture, shared
 from fastdcp import FastFileSystemWriter
 from fastdcp import _stager
 from fastdcp._host_memory import PAGE, allocate_slab
@@ -326,17 +327,6 @@ def test_async_save_dtensor_shardedtensor_and_process_mode(tmp_path, mode):
 # --------------------------------------------------------------------------- #
 # a crash between stage() and the commit leaves the previous checkpoint
 # --------------------------------------------------------------------------- #
-SEED = 5150
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    z.prepare(SEED)
-    yield z
-    z.close()
-
-
 @pytest.mark.parametrize("phase", ["plan", "write", "sync", "commit", "cleanup"])
 def test_sigkill_during_async_save(zygote, tmp_path, phase):
     directory = tmp_path / "ckpt"
