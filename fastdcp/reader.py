@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from . import _C
-from ._blob import DATA_ALIGN, ZIP_ALIGN, BlobFormatError, TensorBlobInfo, parse_tensor_blob, tensor_blob_layout
+from ._blob import DATA_ALIGN, ZIP_ALIGN, BlobFormatError, TensorBlobInfo, _blob_template, parse_tensor_blob
 from ._engine import IoOptions, _env_flag, get_engine
 from . import _integrity
 from ._metadata import (
@@ -161,26 +161,20 @@ _WRITER_DATA_ALIGNS = (ZIP_ALIGN, DATA_ALIGN)
 
 @functools.lru_cache(maxsize=4096)
 def _known_layout(dtype: torch.dtype, size: tuple[int, ...], phase: int, data_align: int) -> _KnownLayout | None:
-    """The layout :func:`fastdcp._blob.tensor_blob_layout` gives a contiguous tensor whose blob
-    starts at ``phase`` modulo ``data_align``, or None when it has none. The serialization id is
-    located by laying the blob out with two ids."""
+    """The layout fastdcp's writer gives a contiguous tensor whose blob starts at ``phase``
+    modulo ``data_align`` (the writer's own blob template, :func:`fastdcp._blob._blob_template`),
+    or None when there is none (a dtype torch.save cannot store)."""
     try:
-        meta = torch.empty(size, dtype=dtype, device="meta")
-        zeros = tensor_blob_layout(meta, phase, data_align=data_align, serialization_id="0" * _SERIALIZATION_ID_LEN)
-        ones = tensor_blob_layout(meta, phase, data_align=data_align, serialization_id="1" * _SERIALIZATION_ID_LEN)
+        stride = tuple(torch.empty(size, dtype=dtype, device="meta").stride())
+        t = _blob_template(dtype, size, stride, phase, data_align, False)
     except (ValueError, TypeError, RuntimeError, NotImplementedError):
         return None
-    a, b = zeros.tail, ones.tail
-    at = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
-    end = None if at is None else at + _SERIALIZATION_ID_LEN
-    if at is None or len(a) != len(b) or a[:at] != b[:at] or a[end:] != b[end:] or zeros.head != ones.head:
-        return None  # pragma: no cover - the layout changed shape; parse instead
     return _KnownLayout(
-        head=zeros.head,
-        tail_before_id=a[:at],
-        tail_after_id=a[end:],
-        data_nbytes=zeros.data_nbytes,
-        info=TensorBlobInfo(zeros.data_offset, zeros.data_nbytes, dtype, tuple(size), tuple(meta.stride()), 0),
+        head=t.head_before_pad + b"Z" * t.pad,
+        tail_before_id=t.tail_before_id,
+        tail_after_id=t.tail_after_id,
+        data_nbytes=t.data_nbytes,
+        info=TensorBlobInfo(t.data_offset, t.data_nbytes, dtype, tuple(size), stride, 0),
     )
 
 
