@@ -46,6 +46,7 @@ __all__ = [
     "TensorBlobInfo",
     "tensor_blob_layout",
     "parse_tensor_blob",
+    "is_plain_dense",
 ]
 
 ZIP_ALIGN = 64  # blobs start at 64-aligned file offsets (torch's storage_alignment convention)
@@ -327,6 +328,18 @@ _SMALL_RECORDS_INDEX: tuple[tuple[bytes, int, int], ...] = tuple(
 )
 _VERSION_RECORD = _record(_NAME_VERSION, _VERSION_CONTENT)
 _SERIALIZATION_ID_HEADER = _local_header(_NAME_SERIALIZATION_ID, 40, 0, False) + _NAME_SERIALIZATION_ID
+
+
+def is_plain_dense(tensor: torch.Tensor) -> bool:
+    """Tensors whose bytes one dtype/shape blob describes (everything torch.save stores as a
+    single strided storage). Anything else (sparse, quantized, nested, tensor subclasses) keeps
+    stock's ``torch.save`` serialization in the writer and its own CPU copy when staged."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+    )
 
 
 def tensor_blob_layout(

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from ._blob import is_plain_dense
+from ._device_writes import CudaCopier
 from ._host_memory import PAGE, HostSlab, allocate_slab
 
 try:
@@ -56,17 +58,6 @@ __all__ = ["StateDictStager", "StagingLayout"]
 _SMALL_ALIGN = 64
 _WAIT_BEFORE_NEW_SLAB_S = 60.0
 _GC_EVERY_S = 0.5
-
-
-def _stageable(tensor: torch.Tensor) -> bool:
-    """Dense strided tensors go into the slab; anything else (sparse, quantized, nested, other
-    subclasses) is copied to the CPU on its own."""
-    return (
-        tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and not tensor.is_nested
-        and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-    )
 
 
 @dataclass(frozen=True)
@@ -99,7 +90,7 @@ def _collect(obj: Any, out: list[torch.Tensor]) -> None:
         for shard in obj.local_shards():
             _collect(shard.tensor, out)
     elif isinstance(obj, torch.Tensor):
-        if _stageable(obj):
+        if is_plain_dense(obj):
             out.append(obj)
     elif isinstance(obj, Mapping):
         for value in obj.values():
@@ -135,7 +126,7 @@ def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
             shards, obj.metadata(), process_group=obj._process_group
         )
     if isinstance(obj, torch.Tensor):
-        if _stageable(obj):
+        if is_plain_dense(obj):  # into the slab; anything else gets its own CPU copy
             return next(staged)
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, Mapping):
@@ -154,22 +145,18 @@ def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
 
 
 def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy every source into its view; device sources on a side stream per device, waited for."""
-    streams: dict[torch.device, Any] = {}
+    """Copy every source into its view; device sources with the save ring's copier (a side stream
+    per device, ordered after the current stream), waited for once at the end."""
+    copier: CudaCopier | None = None
     for view, source in zip(views, sources):
         source = source.detach()
         if source.device.type == "cuda":
-            stream = streams.get(source.device)
-            if stream is None:
-                stream = torch.cuda.Stream(device=source.device)
-                stream.wait_stream(torch.cuda.current_stream(source.device))
-                streams[source.device] = stream
-            with torch.cuda.stream(stream):
-                view.copy_(source, non_blocking=True)
+            copier = copier or CudaCopier()
+            copier.copy(view, source)
         else:
             view.copy_(source)
-    for stream in streams.values():
-        stream.synchronize()
+    if copier is not None:
+        copier.wait(copier.record())
 
 
 class StateDictStager:

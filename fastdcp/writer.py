@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import _C
-from ._blob import DATA_ALIGN, ZIP_ALIGN, tensor_blob_layout
+from ._blob import DATA_ALIGN, ZIP_ALIGN, is_plain_dense, tensor_blob_layout
 from ._device_writes import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from ._engine import DIRECT_ALIGN, IoOptions, _env_flag, get_engine
 from ._gc import gc_paused
@@ -75,17 +75,6 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 _UNLOADABLE_DTYPES = frozenset(d for d in (getattr(torch, "quint4x2", None), getattr(torch, "quint2x4", None)) if d)
-
-
-def _is_plain_dense(tensor: torch.Tensor) -> bool:
-    """Tensors whose bytes we can describe with one dtype/shape blob (everything torch.save stores
-    as a single strided storage); anything else keeps stock's torch.save serialization."""
-    return (
-        tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and not tensor.is_nested
-        and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-    )
 
 
 @dataclass
@@ -517,7 +506,7 @@ class FastFileSystemWriter(FileSystemWriter):
                 f"{item.index.fqn}: dtype {data.dtype} cannot be checkpointed with DCP (torch has no copy "
                 "kernel for it, so it could not be loaded; stock FileSystemWriter refuses it as well)"
             )
-        if _is_plain_dense(data):
+        if is_plain_dense(data):
             # Checksums are computed from host memory: with them on, device tensors come over first.
             through_ring = not self.checksums and _stays_on_device(data)
             tensor = _tensor_for_writing(data, keep_on_device=through_ring)
