@@ -82,22 +82,24 @@ class StagingLayout:
         return StagingLayout(signature, tuple(offsets), end)
 
 
-def _collect(obj: Any, out: list[torch.Tensor]) -> None:
-    """Append, in traversal order, every tensor of ``obj`` that goes into the slab."""
+def _collect(obj: Any, out: list[torch.Tensor], paths: list[str], path: str = "") -> None:
+    """Append, in traversal order, every tensor of ``obj`` that goes into the slab (and its path
+    in the state dict to ``paths``, for error messages)."""
     if DTensor is not None and isinstance(obj, DTensor):
-        _collect(obj._local_tensor, out)
+        _collect(obj._local_tensor, out, paths, path)
     elif ShardedTensor is not None and isinstance(obj, ShardedTensor):
-        for shard in obj.local_shards():
-            _collect(shard.tensor, out)
+        for i, shard in enumerate(obj.local_shards()):
+            _collect(shard.tensor, out, paths, f"{path}[shard {i}]")
     elif isinstance(obj, torch.Tensor):
         if is_plain_dense(obj):
             out.append(obj)
+            paths.append(path)
     elif isinstance(obj, Mapping):
-        for value in obj.values():
-            _collect(value, out)
+        for key, value in obj.items():
+            _collect(value, out, paths, f"{path}.{key}" if path else str(key))
     elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _collect(value, out)
+        for i, value in enumerate(obj):
+            _collect(value, out, paths, f"{path}[{i}]")
 
 
 def _staged_dtensor(local: torch.Tensor, spec: Any) -> Any:
@@ -144,17 +146,24 @@ def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
     return copy.deepcopy(obj)
 
 
-def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: list[str]) -> None:
     """Copy every source into its view; device sources with the save ring's copier (a side stream
-    per device, ordered after the current stream), waited for once at the end."""
+    per device, ordered after the current stream), waited for once at the end. A tensor that
+    cannot be copied (a meta tensor, say) is an error naming it."""
     copier: CudaCopier | None = None
-    for view, source in zip(views, sources):
+    for view, source, path in zip(views, sources, paths):
         source = source.detach()
-        if source.device.type == "cuda":
-            copier = copier or CudaCopier()
-            copier.copy(view, source)
-        else:
-            view.copy_(source)
+        try:
+            if source.device.type == "cuda":
+                copier = copier or CudaCopier()
+                copier.copy(view, source)
+            else:
+                view.copy_(source)
+        except (RuntimeError, NotImplementedError) as error:
+            raise RuntimeError(
+                f"fastdcp: cannot stage '{path}' ({source.dtype}, shape {tuple(source.shape)}, on "
+                f"{source.device}) for async_save: {error}"
+            ) from error
     if copier is not None:
         copier.wait(copier.record())
 
@@ -173,7 +182,8 @@ class StateDictStager:
 
     def stage(self, state_dict: Any) -> Any:
         sources: list[torch.Tensor] = []
-        _collect(state_dict, sources)
+        paths: list[str] = []
+        _collect(state_dict, sources, paths)
         layout = StagingLayout.for_tensors(sources)
         with torch.no_grad():
             slab = self._acquire(layout)
@@ -182,7 +192,7 @@ class StateDictStager:
                 for offset, t in zip(layout.offsets, sources)
             ]
             try:
-                _copy_into(views, sources)
+                _copy_into(views, sources, paths)
                 staged = _rebuild(state_dict, iter(views))
             except BaseException:
                 with self._condition:

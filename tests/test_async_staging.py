@@ -356,3 +356,10 @@ def test_sigkill_during_async_save(zygote, tmp_path, phase):
     candidates = {0: make_state(SEED, 0), 1: make_state(SEED, 1)}
     for reader in ("fast", "stock"):
         assert classify(str(directory), candidates, reader) == expected, (phase, reader, os.listdir(directory))
+
+
+def test_a_tensor_that_cannot_be_staged_is_named(tmp_path):
+    writer = FastFileSystemWriter(tmp_path)
+    with pytest.raises(RuntimeError, match=r"cannot stage 'model\.layers\[1\]\.w' \(torch\.float32, shape \(2, 3\), on meta\)"):
+        writer.stage({"model": {"layers": [{"w": torch.ones(2)}, {"w": torch.empty(2, 3, device="meta")}]}})
+    writer.stage({"t": torch.ones(3)})  # the failed stage released the slab
