@@ -177,7 +177,10 @@ class StateDictStager:
         self._slab: HostSlab | None = None
         self._layout: StagingLayout | None = None
         self._views: list[weakref.ref] = []  # the views of the last stage()
-        self._in_use = False  # a save may still read the slab
+        # Stages whose save has not released yet. A count, not a flag: when the structure changes
+        # while a save still reads the old slab, a new slab is staged, and the old save's release
+        # must not mark the new slab free.
+        self._unreleased = 0
         self.slabs_allocated = 0  # for tests and benchmarks: how often a new slab was needed
 
     def stage(self, state_dict: Any) -> Any:
@@ -187,25 +190,24 @@ class StateDictStager:
         layout = StagingLayout.for_tensors(sources)
         with torch.no_grad():
             slab = self._acquire(layout)
-            views = [
-                slab.view(offset, t.numel() * t.element_size(), t.dtype, t.shape)
-                for offset, t in zip(layout.offsets, sources)
-            ]
             try:
+                views = [
+                    slab.view(offset, t.numel() * t.element_size(), t.dtype, t.shape)
+                    for offset, t in zip(layout.offsets, sources)
+                ]
                 _copy_into(views, sources, paths)
                 staged = _rebuild(state_dict, iter(views))
             except BaseException:
-                with self._condition:
-                    self._in_use = False
+                self.release()
                 raise
         with self._condition:
             self._views = [weakref.ref(v) for v in views]
         return staged
 
     def release(self) -> None:
-        """The save that used the slab has finished reading it (called by the writer)."""
+        """A save that used a slab has finished reading it (called by the writer's write_data)."""
         with self._condition:
-            self._in_use = False
+            self._unreleased = max(0, self._unreleased - 1)
             self._condition.notify_all()
 
     def close(self) -> None:
@@ -214,7 +216,7 @@ class StateDictStager:
             self._slab = None
             self._layout = None
             self._views = []
-            self._in_use = False
+            self._unreleased = 0
 
     # ----------------------------------------------------------------------------------------- #
 
@@ -232,7 +234,7 @@ class StateDictStager:
                 and self._layout.signature == layout.signature
                 and slab.pid == _current_pid()
             )
-            if reusable and self._in_use:
+            if reusable and self._unreleased:
                 reusable = self._wait_until_free()
             if not reusable:
                 # Views of the old slab (if any save still holds them) keep their memory; it is
@@ -240,17 +242,17 @@ class StateDictStager:
                 self._slab = allocate_slab(layout.nbytes, prefer_shared=self.prefer_shared)
                 self._layout = layout
                 self.slabs_allocated += 1
-            self._in_use = True
+            self._unreleased += 1
             self._views = []
             return self._slab  # type: ignore[return-value]
 
     def _wait_until_free(self) -> bool:
-        """Wait (condition held) until the previous save released the slab or dropped every view;
-        False when it still holds it after ``_WAIT_BEFORE_NEW_SLAB_S``."""
+        """Wait (condition held) until every earlier save released its slab or the slab's views are
+        all gone; False when that takes more than ``_WAIT_BEFORE_NEW_SLAB_S``."""
         start = last_gc = time.monotonic()
         if self._views_alive():
             gc.collect()  # views kept only by reference cycles of the finished save
-        while self._in_use and self._views_alive():
+        while self._unreleased and self._views_alive():
             now = time.monotonic()
             if now - start > _WAIT_BEFORE_NEW_SLAB_S:
                 warnings.warn(

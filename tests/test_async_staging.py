@@ -173,6 +173,25 @@ def test_stage_proceeds_once_the_staged_tensors_are_gone(tmp_path):
     assert writer._stager.slabs_allocated == 1
 
 
+def test_an_older_saves_release_does_not_free_a_newer_slab(tmp_path):
+    """Save A (old structure) still writing while B (new structure) is staged into a new slab:
+    A's release must not let the next stage() refill B's slab while B's save still reads it."""
+    writer = FastFileSystemWriter(tmp_path)
+    held_a = writer.stage({"w": torch.ones(100)})
+    held_b = writer.stage({"w": torch.ones(200)})  # new structure: new slab, no waiting
+    assert writer._stager.slabs_allocated == 2
+    writer._release_staging()  # save A is done
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (writer.stage({"w": torch.full((200,), 5.0)}), done.set()))
+    thread.start()
+    assert not done.wait(0.5), "save A's release freed the slab save B still reads"
+    assert torch.equal(held_b["w"], torch.ones(200))
+    writer._release_staging()  # save B is done
+    assert done.wait(10)
+    thread.join()
+    del held_a
+
+
 def test_a_slab_held_too_long_is_replaced_not_overwritten(tmp_path, monkeypatch):
     monkeypatch.setattr(_stager, "_WAIT_BEFORE_NEW_SLAB_S", 0.2)
     writer = FastFileSystemWriter(tmp_path)
