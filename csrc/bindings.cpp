@@ -64,8 +64,10 @@ py::dict build_info()
   py::dict info;
 #ifdef FASTDCP_WITH_CUDA
   info["cuda"] = true;
+  info["cuda_arch_list"] = FASTDCP_CUDA_ARCH_LIST;
 #else
   info["cuda"] = false;
+  info["cuda_arch_list"] = py::none();
 #endif
 #ifdef O_DIRECT
   info["o_direct"] = true;

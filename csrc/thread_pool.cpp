@@ -1,6 +1,8 @@
 #include "thread_pool.hpp"
 
 #include <algorithm>
+#include <cstdio>
+#include <pthread.h>
 #include <unistd.h>
 
 namespace fastdcp {
@@ -23,7 +25,13 @@ ThreadPool::ThreadPool(int num_threads) : owner_pid_(::getpid())
   num_threads = std::max(1, num_threads);
   workers_.reserve(num_threads);
   for (int i = 0; i < num_threads; ++i) {
-    workers_.emplace_back([this, i] { worker_loop(i); });
+    workers_.emplace_back([this, i] {
+      // Named so that tools (top -H, py-spy) and tests can tell fastdcp's threads apart.
+      char name[16];
+      std::snprintf(name, sizeof(name), "fastdcp-io-%d", i);
+      ::pthread_setname_np(::pthread_self(), name);
+      worker_loop(i);
+    });
   }
 }
 

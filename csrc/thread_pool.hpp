@@ -17,7 +17,7 @@ namespace fastdcp {
 
 class ThreadPool {
  public:
-  /// Starts `num_threads` workers (at least one).
+  /// Starts `num_threads` workers (at least one), named `fastdcp-io-<i>` (Linux thread names).
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;

@@ -15,7 +15,7 @@ import torch
 from . import _C
 from ._blob import BlobFormatError
 from ._integrity import ChecksumError
-from ._metadata import CheckpointFormatError, CheckpointNotFoundError
+from ._metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
 from .planner import FastLoadPlanner, FastSavePlanner
 from .reader import FastFileSystemReader
 from .writer import FastFileSystemWriter
@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "ChecksumError",
+    "add_safe_metadata_globals",
     "build_info",
     "__version__",
 ]

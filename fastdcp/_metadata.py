@@ -15,9 +15,11 @@ This module is the hostile-input boundary for everything fastdcp reads that is n
   functions and the enum resolve to inert per-load stand-ins, and the dataclasses to per-load
   subclasses (a ``BUILD`` opcode aimed at a class object tampers with a throwaway class), whose
   instances are switched to the real classes once the load is done. Then the structure is
-  validated (types, byte ranges, chunk boxes inside their tensors). ``allow_unsafe=True`` is the
-  explicit opt-out: plain ``pickle`` (for checkpoints with custom planner or storage classes);
-  the structural validation still runs.
+  validated (types, byte ranges, chunk boxes inside their tensors). Custom planner or storage
+  classes are allowed one by one with :func:`add_safe_metadata_globals` (or, on a torch that has
+  it, stock's function of the same name: whatever stock's restricted loader accepts, this one
+  does too). ``allow_unsafe=True`` is the explicit opt-out: plain ``pickle``; the structural
+  validation still runs.
 * :func:`check_relative_path` / :func:`check_data_paths` refuse a ``relative_path`` that could
   lead out of the checkpoint directory: absolute paths, ``..``, NUL bytes, empty names, symlinks
   leading out; :func:`resolve_data_file` also requires an existing regular file (a FIFO would
@@ -33,6 +35,7 @@ raises, so ``except FileNotFoundError`` keeps working). Every message names the 
 from __future__ import annotations
 
 import collections
+import importlib
 import io
 import os
 import pathlib
@@ -40,11 +43,13 @@ import pickle
 import re
 import stat
 import struct
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint import filesystem as _stock_fs
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 __all__ = [
@@ -55,6 +60,7 @@ __all__ = [
     "metadata_path",
     "load_metadata",
     "parse_metadata",
+    "add_safe_metadata_globals",
     "check_relative_path",
     "resolve_data_file",
     "check_data_paths",
@@ -389,6 +395,72 @@ _ALLOWED_TEXT = (
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# Globals the user allowed (custom planner or storage classes in .metadata)
+# ---------------------------------------------------------------------------------------------
+
+_user_globals: dict[str, frozenset[str]] = {}  # module -> qualified names
+_user_globals_lock = threading.Lock()
+
+
+def add_safe_metadata_globals(safe_globals: Mapping[str, Iterable[str]] | Iterable[Any]) -> None:
+    """Allow more globals in a ``.metadata`` the restricted loader reads: a mapping of module name
+    to qualified names (``{"my.pkg": {"MyPlannerData"}}``), or the classes and functions
+    themselves. Stock's ``add_safe_metadata_globals`` has the same form; on a torch that has it,
+    the same globals are registered there too, so stock readers accept the same checkpoints.
+
+    Each allowed global is handed to the pickle as it is (not as a per-load stand-in): allow only
+    what is safe to construct from untrusted arguments.
+    """
+    if isinstance(safe_globals, Mapping):
+        pairs = []
+        for module, names in safe_globals.items():
+            if isinstance(names, str):
+                names = (names,)
+            pairs += [(module, name) for name in names]
+    else:
+        pairs = []
+        for obj in safe_globals:
+            module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+            if not isinstance(module, str) or not isinstance(name, str):
+                raise TypeError(f"add_safe_metadata_globals: {obj!r} has no __module__/__qualname__")
+            pairs.append((module, name))
+    for module, name in pairs:
+        if not isinstance(module, str) or not isinstance(name, str) or not module or not name:
+            raise TypeError(f"add_safe_metadata_globals: expected module and name strings, got {module!r}, {name!r}")
+    with _user_globals_lock:
+        for module, name in pairs:
+            _user_globals[module] = _user_globals.get(module, frozenset()) | {name}
+    stock_add = getattr(_stock_fs, "add_safe_metadata_globals", None)
+    if stock_add is not None:
+        stock_add(safe_globals)
+
+
+def _resolve_qualified(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _user_allowed_global(module: str, name: str) -> Any | None:
+    """The object for an allowed global outside fastdcp's own list, or None: registered with
+    :func:`add_safe_metadata_globals`, or accepted by stock's restricted metadata loader (which
+    holds what users registered with stock's function of the same name, on a torch that has it)."""
+    if name in _user_globals.get(module, ()):
+        try:
+            return _resolve_qualified(module, name)
+        except (ImportError, AttributeError) as e:
+            raise _Reject(f"the allowed global {module}.{name} cannot be imported ({type(e).__name__}: {e})") from None
+    stock_unpickler = getattr(_stock_fs, "_RestrictedMetadataUnpickler", None)
+    if stock_unpickler is None or not hasattr(_stock_fs, "add_safe_metadata_globals"):
+        return None
+    try:
+        return stock_unpickler(io.BytesIO(b"")).find_class(module, name)
+    except Exception:  # stock refuses it (UnpicklingError), or cannot import it
+        return None
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """Resolves only allow-listed globals; every mutable thing it hands out is private to this load.
 
@@ -439,10 +511,13 @@ class _RestrictedUnpickler(pickle.Unpickler):
             hit = _MemFormatCall()
         elif module in ("pathlib", "pathlib._local") and name in _PATH_NAMES:
             hit = _PathCall(name)
+        elif (allowed := _user_allowed_global(module, name)) is not None:
+            hit = allowed
         else:
             raise _Reject(
                 f"refusing to load disallowed global {module[:_SHOW]}.{name[:_SHOW]} (a DCP .metadata holds only "
-                f"{_ALLOWED_TEXT}; pass allow_unsafe_metadata=True only for a checkpoint you trust)"
+                f"{_ALLOWED_TEXT}; allow a custom class with fastdcp.add_safe_metadata_globals, or pass "
+                f"allow_unsafe_metadata=True only for a checkpoint you trust)"
             )
         self._resolved[key] = hit
         return hit

@@ -404,6 +404,87 @@ def test_allow_unsafe_metadata_opts_out(ckpt):
         load_metadata(ckpt, allow_unsafe=True)
 
 
+class UnregisteredPlannerData(CustomPlannerData):
+    pass
+
+
+@pytest.fixture
+def user_globals(monkeypatch):
+    """fastdcp's registry of allowed metadata globals, empty for the test and restored after; on
+    a torch with stock's registry, registrations are not forwarded there (it cannot be restored)."""
+    monkeypatch.setattr(fmd, "_user_globals", {})
+    if hasattr(fmd._stock_fs, "add_safe_metadata_globals"):
+        monkeypatch.setattr(fmd._stock_fs, "add_safe_metadata_globals", lambda safe_globals: None)
+
+
+@pytest.mark.parametrize("form", ["classes", "mapping"])
+def test_add_safe_metadata_globals_allows_exactly_the_registered_classes(ckpt, user_globals, form):
+    md = _read_md(ckpt)
+    md.planner_data = CustomPlannerData(42)
+    _write_md(ckpt, md)
+    message = _load_error(ckpt)
+    assert "disallowed global" in message and "add_safe_metadata_globals" in message
+
+    if form == "classes":
+        fastdcp.add_safe_metadata_globals([CustomPlannerData])
+    else:
+        fastdcp.add_safe_metadata_globals({CustomPlannerData.__module__: {"CustomPlannerData"}})
+    out = _load(ckpt)
+    assert torch.equal(out["w"], _state()["w"]) and out["step"] == 7
+    assert load_metadata(ckpt).planner_data == CustomPlannerData(42)
+
+    # Only what was registered: another class of the same module is still refused.
+    md.planner_data = UnregisteredPlannerData(1)
+    _write_md(ckpt, md)
+    assert "UnregisteredPlannerData" in _load_error(ckpt)
+
+
+def test_add_safe_metadata_globals_rejects_malformed_entries(user_globals):
+    with pytest.raises(TypeError, match="__module__"):
+        fastdcp.add_safe_metadata_globals([42])
+    with pytest.raises(TypeError, match="module and name"):
+        fastdcp.add_safe_metadata_globals({"": {"X"}})
+    assert fmd._user_globals == {}
+
+
+def test_globals_registered_with_stock_are_accepted(ckpt, user_globals, monkeypatch):
+    """Newer torch reads .metadata with a restricted unpickler whose allow-list users extend with
+    ``torch.distributed.checkpoint.filesystem.add_safe_metadata_globals`` (a mapping of module to
+    names, or the objects). What users registered there, fastdcp accepts too: it asks stock's
+    unpickler. The torch installed here may predate that API, so a stand-in with its interface
+    plays stock; fastdcp's own function forwards to it."""
+    registered: set[tuple[str, str]] = set()
+
+    def stock_add(safe_globals):
+        if isinstance(safe_globals, dict):
+            registered.update((module, name) for module, names in safe_globals.items() for name in names)
+        else:
+            registered.update((g.__module__, g.__qualname__) for g in safe_globals)
+
+    class StockUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in registered:
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"Blocked unpickling of {module}.{name}")
+
+    monkeypatch.setattr(fmd._stock_fs, "add_safe_metadata_globals", stock_add, raising=False)
+    monkeypatch.setattr(fmd._stock_fs, "_RestrictedMetadataUnpickler", StockUnpickler, raising=False)
+    md = _read_md(ckpt)
+    md.planner_data = [CustomPlannerData(7), UnregisteredPlannerData(8)]
+    _write_md(ckpt, md)
+    assert "CustomPlannerData" in _load_error(ckpt)
+
+    fmd._stock_fs.add_safe_metadata_globals({CustomPlannerData.__module__: {"CustomPlannerData"}})
+    assert fmd._user_globals == {}, "registered with stock only"
+    assert "UnregisteredPlannerData" in _load_error(ckpt)
+
+    fastdcp.add_safe_metadata_globals([UnregisteredPlannerData])
+    assert (UnregisteredPlannerData.__module__, "UnregisteredPlannerData") in registered, "not forwarded to stock"
+    assert load_metadata(ckpt).planner_data == [CustomPlannerData(7), UnregisteredPlannerData(8)]
+    out = _load(ckpt)
+    assert torch.equal(out["w"], _state()["w"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Data file paths
 # ---------------------------------------------------------------------------------------------
