@@ -4,6 +4,15 @@
     from fastdcp import FastFileSystemWriter, FastFileSystemReader
     dcp.save(state_dict, storage_writer=FastFileSystemWriter(path))
     dcp.load(state_dict, storage_reader=FastFileSystemReader(path))
+
+The package, one stage a folder (docs/ARCHITECTURE.md walks one save and one load through it):
+
+    format/    the on-disk form, pure: tensor blobs, .metadata, checksums
+    io/        the machine: native engine options, host memory, checkpoint files, GC pauses
+    save/      FastFileSystemWriter: file images, GPU ring, async staging, commit
+    load/      FastFileSystemReader: header pass, pieces, CPU and GPU placement, verification
+    planners/  FastSavePlanner / FastLoadPlanner: cached, bulk-built plans
+    cli/       python -m fastdcp inspect | verify
 """
 
 from __future__ import annotations
@@ -13,12 +22,12 @@ import platform
 import torch
 
 from . import _C
-from ._blob import BlobFormatError
-from ._integrity import ChecksumError
-from ._metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
-from .planner import FastLoadPlanner, FastSavePlanner
-from .reader import FastFileSystemReader
-from .writer import FastFileSystemWriter
+from .format.blob import BlobFormatError
+from .format.checksums import ChecksumError
+from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
+from .load.reader import FastFileSystemReader
+from .planners import FastLoadPlanner, FastSavePlanner
+from .save.writer import FastFileSystemWriter
 
 __version__ = "0.1.0"
 __all__ = [

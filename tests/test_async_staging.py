@@ -28,8 +28,8 @@ import dcp_cases as C
 from _crash_worker import classify, make_state
 from test_crash import SEED, zygote  # noqa: F401 - the crash tests' zygote fixture, shared
 from fastdcp import FastFileSystemWriter
-from fastdcp import _stager
-from fastdcp._host_memory import PAGE, allocate_slab
+from fastdcp.save import staging as _stager
+from fastdcp.io.host_memory import PAGE, allocate_slab
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
-from fastdcp.writer import CHECKSUM_ATTRIBUTE
+from fastdcp.format.metadata import CHECKSUM_ATTRIBUTE
 
 
 def _state():

@@ -16,10 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_cases as C
-import fastdcp.writer as writer_module
+import fastdcp.save.writer as writer_module
 from fastdcp import FastFileSystemWriter, _C
-from fastdcp._device_writes import DeviceRing, cut_ranges, write_device_images
-from fastdcp._engine import DIRECT_ALIGN, IoOptions, get_engine
+from fastdcp.save.device_ring import DeviceRing, cut_ranges, write_device_images
+from fastdcp.io.engine import DIRECT_ALIGN, IoOptions, get_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

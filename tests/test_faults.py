@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-import fastdcp.writer as fast_writer
+import fastdcp.save.commit as fast_commit
 from _crash_worker import make_state, states_equal, template_like
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
 
@@ -348,7 +348,7 @@ def test_failure_while_committing_keeps_the_old_checkpoint(tmp_path, monkeypatch
         def dump(obj, f):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f.name)
 
-    monkeypatch.setattr(fast_writer, "pickle", _FullDisk)
+    monkeypatch.setattr(fast_commit, "pickle", _FullDisk)
     text = _failing_save(directory, _state(0.5, 14), thread_count=2)
     assert "No space left on device" in text and ".metadata." in text, text
     assert set(os.listdir(directory)) == before

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from fastdcp import FastFileSystemWriter
-from fastdcp._blob import BlobFormatError, TensorBlobInfo, parse_tensor_blob, tensor_blob_layout
-from fastdcp._metadata import CheckpointFormatError, parse_metadata
+from fastdcp.format.blob import BlobFormatError, TensorBlobInfo, parse_tensor_blob, tensor_blob_layout
+from fastdcp.format.metadata import CheckpointFormatError, parse_metadata
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

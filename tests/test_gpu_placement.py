@@ -1,4 +1,4 @@
-"""GPU destinations for the reader (fastdcp/_gpu_placement.py).
+"""GPU destinations for the reader (fastdcp/load/gpu_placement.py).
 
 Three layers:
 
@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_cases as C
 import fastdcp
-import fastdcp._gpu_placement as G
-import fastdcp.reader as reader_module
+import fastdcp.load.gpu_placement as G
+import fastdcp.load.reader as reader_module
 from fastdcp import FastFileSystemReader, _C
 
 MAX_DIMS = 8

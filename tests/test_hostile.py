@@ -24,16 +24,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import fastdcp
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
-from fastdcp import _metadata as fmd
-from fastdcp._blob import parse_tensor_blob
-from fastdcp._metadata import (
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    check_relative_path,
-    load_metadata,
-    parse_metadata,
-    resolve_data_file,
-)
+from fastdcp.format import metadata as fmd
+from fastdcp.format.blob import parse_tensor_blob
+from fastdcp.format.metadata import CheckpointFormatError, CheckpointNotFoundError, parse_metadata
+from fastdcp.io.checkpoint_files import check_relative_path, load_metadata, resolve_data_file
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -363,7 +357,7 @@ def test_invalid_structures_are_refused(ckpt):
 
 
 def test_checksum_attribute_name_matches_the_writer():
-    from fastdcp.writer import CHECKSUM_ATTRIBUTE
+    from fastdcp.format.metadata import CHECKSUM_ATTRIBUTE
 
     assert fmd.CHECKSUM_ATTRIBUTE == CHECKSUM_ATTRIBUTE
 

@@ -30,8 +30,10 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 import dcp_cases as C
 from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner, FastSavePlanner
-from fastdcp import planner as P
-from fastdcp import reader as R
+from fastdcp.load import header_pass as H
+from fastdcp.load import metadata_cache as MC
+from fastdcp.planners import items as PI
+from fastdcp.planners import plan_cache as PC
 
 SAVE_PLANNERS = {"stock": DefaultSavePlanner, "fast": FastSavePlanner}
 LOAD_PLANNERS = {"stock": DefaultLoadPlanner, "fast": FastLoadPlanner}
@@ -39,11 +41,11 @@ LOAD_PLANNERS = {"stock": DefaultLoadPlanner, "fast": FastLoadPlanner}
 
 @pytest.fixture(autouse=True)
 def _fresh_caches():
-    P.clear_plan_caches()
-    R.clear_metadata_cache()
+    PC.clear_plan_caches()
+    MC.clear_metadata_cache()
     yield
-    P.clear_plan_caches()
-    R.clear_metadata_cache()
+    PC.clear_plan_caches()
+    MC.clear_metadata_cache()
 
 
 def mixed_state_dict(seed: int = 0) -> dict:
@@ -476,8 +478,8 @@ def test_metadata_cache_follows_the_file(tmp_path):
 
 def test_metadata_cache_skips_parsing_until_the_file_changes(tmp_path, monkeypatch):
     parses = []
-    real = R.load_metadata
-    monkeypatch.setattr(R, "load_metadata", lambda *a, **k: parses.append(a) or real(*a, **k))
+    real = MC.load_metadata
+    monkeypatch.setattr(MC, "load_metadata", lambda *a, **k: parses.append(a) or real(*a, **k))
     sd = C.many_small_tensors(10, seed=12)
     save(sd, tmp_path)
     for _ in range(3):
@@ -492,9 +494,9 @@ def test_metadata_cache_skips_parsing_until_the_file_changes(tmp_path, monkeypat
 def test_metadata_cache_is_per_unpickling_mode(tmp_path):
     save({"x": torch.ones(2)}, tmp_path)
     FastFileSystemReader(tmp_path, allow_unsafe_metadata=True).read_metadata()
-    assert len(R._metadata_cache._entries) == 1
+    assert len(MC.metadata_cache._entries) == 1
     FastFileSystemReader(tmp_path).read_metadata()
-    assert len(R._metadata_cache._entries) == 2
+    assert len(MC.metadata_cache._entries) == 2
 
 
 # --------------------------------------------------------------------------- #
@@ -521,14 +523,14 @@ def _stored_blobs(path):
 
 @pytest.mark.parametrize("writer_kind", C.KINDS)
 def test_known_blob_layouts_agree_with_the_parser(writer_kind, tmp_path):
-    from fastdcp._blob import parse_tensor_blob
+    from fastdcp.format.blob import parse_tensor_blob
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
     save(_known_blob_sd(), tmp_path, writer=writer_kind)
     recognised = 0
     for md, index, info, blob in _stored_blobs(tmp_path):
-        known = R._KnownBlobs(md.state_dict_metadata)
-        window = R._Window(info.offset, memoryview(bytearray(blob)), torch.empty(0, dtype=torch.uint8))
+        known = H.KnownBlobs(md.state_dict_metadata)
+        window = H.Window(info.offset, memoryview(bytearray(blob)), torch.empty(0, dtype=torch.uint8))
         item = ReadItem(LoadItemType.TENSOR, index, torch.Size(), index, torch.Size(), torch.Size())
         match = known.match(item, info, [window])
         parsed = parse_tensor_blob(blob, blob, len(blob), lambda off, n: blob[off:off + n], "blob")
@@ -549,8 +551,8 @@ def test_blob_differing_from_the_layout_is_parsed(tmp_path):
     # A serialization id that is not 40 digits still loads (torch ignores it) but is not trusted.
     md, index, info, blob = next(_stored_blobs(tmp_path))
     tmd = md.state_dict_metadata[index.fqn]
-    layout = next(lay for align in R._WRITER_DATA_ALIGNS
-                  if (lay := R._known_layout(tmd.properties.dtype, tuple(tmd.chunks[0].sizes),
+    layout = next(lay for align in H._WRITER_DATA_ALIGNS
+                  if (lay := H._known_layout(tmd.properties.dtype, tuple(tmd.chunks[0].sizes),
                                              info.offset % align, align)) and lay.length == info.length)
     at = info.offset + len(layout.head) + layout.data_nbytes + len(layout.tail_before_id)
     with open(os.path.join(tmp_path, info.relative_path), "r+b") as f:
@@ -565,7 +567,7 @@ def test_blob_differing_from_the_layout_is_parsed(tmp_path):
 def test_gc_pause_restores_the_collector():
     import gc
 
-    from fastdcp._gc import gc_paused
+    from fastdcp.io.gc import gc_paused
 
     assert gc.isenabled()
     with gc_paused():
@@ -584,12 +586,12 @@ def test_gc_pause_restores_the_collector():
 # building blocks
 # --------------------------------------------------------------------------- #
 def test_packed_items_pickle_once_and_unpickle_once():
-    items = P._PackedItems([WriteItem(index=MetadataIndex(f"k{i}"), type=WriteItemType.BYTE_IO) for i in range(100)])
+    items = PC._PackedItems([WriteItem(index=MetadataIndex(f"k{i}"), type=WriteItemType.BYTE_IO) for i in range(100)])
     blob1 = pickle.dumps(items)
     blob2 = pickle.dumps(items)
     assert blob1 == blob2 and items._blob is not None
     back1, back2 = pickle.loads(blob1), pickle.loads(blob2)
-    assert back1 == items and type(back1) is P._PackedItems
+    assert back1 == items and type(back1) is PC._PackedItems
     assert back1.same_items(items) and back1.same_items(back2) and back1 is not back2
     assert all(a is b for a, b in zip(back1, back2))  # the second unpickle reused the first one's items
     back1.append(items[0])  # in-place changes drop the blob
@@ -601,7 +603,7 @@ def _item(fqn: str, nbytes: int, kind=WriteItemType.TENSOR) -> WriteItem:
     if kind == WriteItemType.BYTE_IO:
         return WriteItem(index=MetadataIndex(fqn), type=kind)
     t = torch.empty(nbytes, dtype=torch.uint8)
-    return P._local_write_items({fqn: t})[0]
+    return PI._local_write_items({fqn: t})[0]
 
 
 def test_dedup_writes_each_item_once_and_balances_by_size():
@@ -609,17 +611,17 @@ def test_dedup_writes_each_item_once_and_balances_by_size():
     obj = _item("obj", 0, WriteItemType.BYTE_IO)
     plans = [[_item("own0", 100)] + replicated + [obj], [_item("own1", 5)] + replicated + [obj],
              replicated + [obj]]
-    deduped = P._dedup_plans(plans, to_lowest_rank=False)
+    deduped = PI._dedup_plans(plans, to_lowest_rank=False)
     seen = [i.index.fqn for items in deduped for i in items]
     assert sorted(seen) == sorted({i.index.fqn for items in plans for i in items})  # all, each once
-    loads = [sum(P._item_bytes(i) for i in items) for items in deduped]
+    loads = [sum(PI._item_bytes(i) for i in items) for items in deduped]
     assert max(loads) - min(loads) <= 70  # within the largest replicated item
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 
     stock = dedup_save_plans([dcp.SavePlan(items) for items in plans])
-    stock_loads = [sum(P._item_bytes(i) for i in p.items) for p in stock]
+    stock_loads = [sum(PI._item_bytes(i) for i in p.items) for p in stock]
     assert max(loads) <= max(stock_loads)
-    lowest = P._dedup_plans(plans, to_lowest_rank=True)
+    lowest = PI._dedup_plans(plans, to_lowest_rank=True)
     assert {i.index.fqn for i in lowest[0]} >= {f"r{i}" for i in range(7)} | {"obj"}
 
 

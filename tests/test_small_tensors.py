@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import dcp_cases as C
 from fastdcp import FastFileSystemWriter
-from fastdcp._engine import get_engine
+from fastdcp.io.engine import get_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

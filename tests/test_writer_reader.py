@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import fastdcp
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
-from fastdcp._blob import parse_tensor_blob
+from fastdcp.format.blob import parse_tensor_blob
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -220,7 +220,7 @@ def test_a_reused_plan_never_rewrites_the_live_files(tmp_path, monkeypatch):
     """Stock ``DefaultSavePlanner(enable_plan_caching=True)`` hands the second save the first
     save's final plans, file prefix included: the writer must still write new files (never open a
     file the live checkpoint references) and name them in the metadata."""
-    import fastdcp.writer as writer_module
+    import fastdcp.save.writer as writer_module
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     if "enable_plan_caching" not in inspect.signature(DefaultSavePlanner.__init__).parameters:

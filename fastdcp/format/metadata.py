@@ -1,31 +1,24 @@
-"""Load a DCP checkpoint's ``.metadata`` without trusting it, and resolve its data files safely.
+"""A DCP ``.metadata`` pickle, parsed without trusting it: bytes in, validated ``Metadata`` out.
 
 Stock ``FileSystemReader.read_metadata`` is ``pickle.load``: a checkpoint downloaded from anywhere
-can run arbitrary code the moment it is opened, and its ``relative_path`` entries are joined to the
-checkpoint directory unchecked (``../x``, ``/etc/passwd``, symlinks leading out are all followed).
-This module is the hostile-input boundary for everything fastdcp reads that is not a tensor blob
-(blobs are :mod:`fastdcp._blob`'s job):
+can run arbitrary code the moment it is opened. This module is the hostile-input boundary for
+the metadata (tensor blobs are :mod:`fastdcp.format.blob`'s job; the files themselves are
+:mod:`fastdcp.io.checkpoint_files`'):
 
-* :func:`load_metadata` / :func:`parse_metadata` unpickle with an allow-list of exactly what
-  stock DCP writes (the ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``,
-  dtypes, layouts, the memory-format enum, ``pathlib`` paths, plain containers), after a scan of
-  the opcode stream that refuses memory bombs (memo indices and declared lengths larger than the
-  file) and opcodes a metadata pickle never needs (persistent ids, extension codes, out-of-band
-  buffers). Nothing outside the objects the load itself creates can be modified: allow-listed
-  functions and the enum resolve to inert per-load stand-ins, and the dataclasses to per-load
-  subclasses (a ``BUILD`` opcode aimed at a class object tampers with a throwaway class), whose
-  instances are switched to the real classes once the load is done. Then the structure is
-  validated (types, byte ranges, chunk boxes inside their tensors). Custom planner or storage
-  classes are allowed one by one with :func:`add_safe_metadata_globals` (or, on a torch that has
-  it, stock's function of the same name: whatever stock's restricted loader accepts, this one
-  does too). ``allow_unsafe=True`` is the explicit opt-out: plain ``pickle``; the structural
-  validation still runs.
-* :func:`check_relative_path` / :func:`check_data_paths` refuse a ``relative_path`` that could
-  lead out of the checkpoint directory: absolute paths, ``..``, NUL bytes, empty names, symlinks
-  leading out; :func:`resolve_data_file` also requires an existing regular file (a FIFO would
-  block the reader forever).
-* :func:`check_file_extents` checks every byte range the metadata places in one data file against
-  the file's size, so a truncated file or an absurd length fails before anything is allocated.
+* :func:`parse_metadata` unpickles with an allow-list of exactly what stock DCP writes (the
+  ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, dtypes, layouts, the
+  memory-format enum, ``pathlib`` paths, plain containers), after a scan of the opcode stream
+  that refuses memory bombs (memo indices and declared lengths larger than the file) and opcodes
+  a metadata pickle never needs (persistent ids, extension codes, out-of-band buffers). Nothing
+  outside the objects the load itself creates can be modified: allow-listed functions and the
+  enum resolve to inert per-load stand-ins, and the dataclasses to per-load subclasses (a
+  ``BUILD`` opcode aimed at a class object tampers with a throwaway class), whose instances are
+  switched to the real classes once the load is done. Then the structure is validated (types,
+  byte ranges, chunk boxes inside their tensors).
+* Custom planner or storage classes are allowed one by one with :func:`add_safe_metadata_globals`
+  (or, on a torch that has it, stock's function of the same name: whatever stock's restricted
+  loader accepts, this one does too). ``allow_unsafe=True`` is the explicit opt-out: plain
+  ``pickle``; the structural validation still runs.
 
 Errors are :class:`CheckpointFormatError` (a ``ValueError``); a missing directory, ``.metadata``
 or data file is :class:`CheckpointNotFoundError`, which is also a ``FileNotFoundError`` (what stock
@@ -37,11 +30,9 @@ from __future__ import annotations
 import collections
 import importlib
 import io
-import os
 import pathlib
 import pickle
 import re
-import stat
 import struct
 import threading
 from collections.abc import Iterable, Mapping
@@ -57,25 +48,20 @@ __all__ = [
     "CHECKSUM_ATTRIBUTE",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
-    "metadata_path",
-    "load_metadata",
     "parse_metadata",
     "add_safe_metadata_globals",
-    "check_relative_path",
-    "resolve_data_file",
-    "check_data_paths",
-    "check_file_extents",
-    "file_extents",
+    "entry_name",
+    "shown",
 ]
 
 METADATA_NAME = ".metadata"  # stock's filesystem._metadata_fn
 # The attribute holding the CRC-32C a fastdcp writer may record on each _StorageInfo (defined
-# here, with the rest of the metadata format; the writer and _integrity import it).
+# here, with the rest of the metadata format; the writer and format.checksums import it).
 CHECKSUM_ATTRIBUTE = "fastdcp_crc32c"
 # Byte offsets and lengths beyond this cannot be real (and would overflow the engine's int64).
 _MAX_FILE_OFFSET = 1 << 62
 _MAX_NDIM = 1024
-_SHOW = 200  # characters of a hostile value shown in an error message
+SHOW_CHARS = 200  # characters of a hostile value shown in an error message
 
 
 class CheckpointFormatError(ValueError):
@@ -87,13 +73,13 @@ class CheckpointNotFoundError(CheckpointFormatError, FileNotFoundError):
     """The checkpoint directory, its ``.metadata`` or a data file it names does not exist."""
 
 
-def _show(value: Any) -> str:
+def shown(value: Any) -> str:
     """A bounded ``repr`` for error messages (hostile values can be megabytes long)."""
     t = type(value)
     if t is int:
         text = repr(value) if value.bit_length() < 256 else f"<int of {value.bit_length()} bits>"
     elif t is str or t is bytes:
-        text = repr(value[: _SHOW + 1])
+        text = repr(value[: SHOW_CHARS + 1])
     elif t in (float, bool, type(None)):
         text = repr(value)
     elif (
@@ -104,14 +90,7 @@ def _show(value: Any) -> str:
         text = repr(tuple(value))
     else:
         text = f"<{t.__name__}>"
-    return text if len(text) <= _SHOW else text[:_SHOW] + "..."
-
-
-def metadata_path(checkpoint_dir: str | os.PathLike, rank: int | None = None) -> str:
-    """Where stock DCP keeps the metadata: ``.metadata``, or ``__{rank}.metadata`` for a save
-    without rank coordination (``read_metadata(rank=...)``)."""
-    name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
-    return os.path.join(os.fspath(checkpoint_dir), name)
+    return text if len(text) <= SHOW_CHARS else text[:SHOW_CHARS] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,10 +331,10 @@ class _FrozenMeta(type):
     """Metaclass of the per-load subclasses: a ``BUILD`` aimed at the class object fails."""
 
     def __setattr__(cls, name: str, value: Any) -> None:
-        raise _Reject(f"the pickle tries to set attribute {name[:_SHOW]!r} on class {cls.__name__}")
+        raise _Reject(f"the pickle tries to set attribute {name[:SHOW_CHARS]!r} on class {cls.__name__}")
 
     def __delattr__(cls, name: str) -> None:
-        raise _Reject(f"the pickle tries to delete attribute {name[:_SHOW]!r} of class {cls.__name__}")
+        raise _Reject(f"the pickle tries to delete attribute {name[:SHOW_CHARS]!r} of class {cls.__name__}")
 
 
 _MD_MODULE = "torch.distributed.checkpoint.metadata"
@@ -515,7 +494,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             hit = allowed
         else:
             raise _Reject(
-                f"refusing to load disallowed global {module[:_SHOW]}.{name[:_SHOW]} (a DCP .metadata holds only "
+                f"refusing to load disallowed global {module[:SHOW_CHARS]}.{name[:SHOW_CHARS]} (a DCP .metadata holds only "
                 f"{_ALLOWED_TEXT}; allow a custom class with fastdcp.add_safe_metadata_globals, or pass "
                 f"allow_unsafe_metadata=True only for a checkpoint you trust)"
             )
@@ -591,31 +570,31 @@ def _validate(md: Any, where: str) -> None:
         if isinstance(entry, TSM):
             props = entry.properties
             if not isinstance(props, TP) or not isinstance(getattr(props, "dtype", None), dtype_type):
-                fail(f"tensor {_show(fqn)} has invalid properties (no dtype)")
+                fail(f"tensor {shown(fqn)} has invalid properties (no dtype)")
             size = int_seq(entry.size)
             if size is None:
-                fail(f"tensor {_show(fqn)} has an invalid size {_show(entry.size)}")
+                fail(f"tensor {shown(fqn)} has an invalid size {shown(entry.size)}")
             chunks = entry.chunks
             if type(chunks) is not list:
-                fail(f"tensor {_show(fqn)} has chunks of type {type(chunks).__name__}, not a list")
+                fail(f"tensor {shown(fqn)} has chunks of type {type(chunks).__name__}, not a list")
             ndim = len(size)
             for chunk in chunks:
                 if not isinstance(chunk, CSM):
-                    fail(f"tensor {_show(fqn)} has a chunk of type {type(chunk).__name__}")
+                    fail(f"tensor {shown(fqn)} has a chunk of type {type(chunk).__name__}")
                 offsets, sizes = int_seq(chunk.offsets), int_seq(chunk.sizes)
                 if offsets is None or sizes is None or len(offsets) != ndim or len(sizes) != ndim:
                     fail(
-                        f"tensor {_show(fqn)} has a chunk with invalid offsets/sizes "
-                        f"{_show(chunk.offsets)}/{_show(chunk.sizes)} for a tensor of size {_show(size)}"
+                        f"tensor {shown(fqn)} has a chunk with invalid offsets/sizes "
+                        f"{shown(chunk.offsets)}/{shown(chunk.sizes)} for a tensor of size {shown(size)}"
                     )
                 for o, c, n in zip(offsets, sizes, size):
                     if o + c > n:
                         fail(
-                            f"tensor {_show(fqn)} has a chunk (offsets {_show(offsets)}, sizes {_show(sizes)}) "
-                            f"outside the tensor of size {_show(size)}"
+                            f"tensor {shown(fqn)} has a chunk (offsets {shown(offsets)}, sizes {shown(sizes)}) "
+                            f"outside the tensor of size {shown(size)}"
                         )
         elif not isinstance(entry, BSM):
-            fail(f"entry {_show(fqn)} is a {type(entry).__name__}, not tensor or bytes storage metadata")
+            fail(f"entry {shown(fqn)} is a {type(entry).__name__}, not tensor or bytes storage metadata")
 
     storage = getattr(md, "storage_data", None)
     if not isinstance(storage, dict):
@@ -626,7 +605,7 @@ def _validate(md: Any, where: str) -> None:
         if not isinstance(index, MI):
             fail(f"storage_data has a key of type {type(index).__name__}")
         if not isinstance(info, _StorageInfo):
-            fail(f"the storage entry for {_entry_name(index)} is a {type(info).__name__}, not _StorageInfo")
+            fail(f"the storage entry for {entry_name(index)} is a {type(info).__name__}, not _StorageInfo")
         rel, off, length = info.relative_path, info.offset, info.length
         if (
             type(rel) is not str
@@ -637,22 +616,22 @@ def _validate(md: Any, where: str) -> None:
             or off + length > limit
         ):
             if type(rel) is not str:
-                fail(f"the storage entry for {_entry_name(index)} has a relative_path of type {type(rel).__name__}")
+                fail(f"the storage entry for {entry_name(index)} has a relative_path of type {type(rel).__name__}")
             fail(
-                f"the storage entry for {_entry_name(index)} in {_show(rel)} has an invalid byte range "
-                f"(offset {_show(off)}, length {_show(length)})"
+                f"the storage entry for {entry_name(index)} in {shown(rel)} has an invalid byte range "
+                f"(offset {shown(off)}, length {shown(length)})"
             )
         if type(index.fqn) is not str:
             fail(f"storage_data key with a {type(index.fqn).__name__} fqn")
         chunk_offset = index.offset
         if chunk_offset is not None and int_seq(chunk_offset) is None:
-            fail(f"the storage entry for {_show(index.fqn)} has an invalid chunk offset {_show(chunk_offset)}")
+            fail(f"the storage entry for {shown(index.fqn)} has an invalid chunk offset {shown(chunk_offset)}")
         td = getattr(info, "transform_descriptors", None)  # absent on older torch
         if td is not None and (type(td) not in (list, tuple) or not all(type(x) is str for x in td)):
-            fail(f"the storage entry for {_entry_name(index)} has invalid transform_descriptors")
+            fail(f"the storage entry for {entry_name(index)} has invalid transform_descriptors")
         crc = getattr(info, CHECKSUM_ATTRIBUTE, None)
         if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
-            fail(f"the storage entry for {_entry_name(index)} has an invalid checksum {_show(crc)}")
+            fail(f"the storage entry for {entry_name(index)} has an invalid checksum {shown(crc)}")
 
     sm = getattr(md, "storage_meta", None)
     storage_meta_cls = getattr(M, "StorageMeta", None)
@@ -689,14 +668,14 @@ def parse_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> _m
         except Exception as e:  # UnpicklingError, EOFError, TypeError, ValueError, ... from hostile bytes
             raise CheckpointFormatError(
                 f"{where}: not a readable DCP metadata pickle (truncated or damaged: "
-                f"{type(e).__name__}: {str(e)[:_SHOW]})"
+                f"{type(e).__name__}: {str(e)[:SHOW_CHARS]})"
             ) from None
     else:
         try:
             md = pickle.loads(data)
         except Exception as e:
             raise CheckpointFormatError(
-                f"{where}: not a readable metadata pickle ({type(e).__name__}: {str(e)[:_SHOW]})"
+                f"{where}: not a readable metadata pickle ({type(e).__name__}: {str(e)[:SHOW_CHARS]})"
             ) from e
     try:
         _validate(md, where)
@@ -705,161 +684,13 @@ def parse_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> _m
     except RecursionError:
         raise CheckpointFormatError(f"{where}: the metadata nests too deeply") from None
     except Exception as e:  # e.g. a hostile __eq__/__hash__ in the unsafe mode
-        raise CheckpointFormatError(f"{where}: invalid metadata ({type(e).__name__}: {str(e)[:_SHOW]})") from None
+        raise CheckpointFormatError(f"{where}: invalid metadata ({type(e).__name__}: {str(e)[:SHOW_CHARS]})") from None
     return md
 
 
-def load_metadata(
-    path: str | os.PathLike, *, rank: int | None = None, allow_unsafe: bool = False
-) -> _md.Metadata:
-    """Read and validate a checkpoint's metadata.
-
-    ``path`` is the checkpoint directory (``.metadata``, or ``__{rank}.metadata`` when ``rank`` is
-    given, as stock ``read_metadata(rank=...)``) or a metadata file itself. Restricted unpickling
-    unless ``allow_unsafe``; see :func:`parse_metadata`. A missing directory or metadata file
-    raises :class:`CheckpointNotFoundError` (a ``FileNotFoundError``).
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        file = metadata_path(path, rank)
-    elif os.path.exists(path) and rank is None:
-        file = path
-    elif not os.path.lexists(path):
-        raise CheckpointNotFoundError(f"'{path}' is not a DCP checkpoint: the directory does not exist")
-    else:
-        raise CheckpointFormatError(f"'{path}' is not a DCP checkpoint: not a directory")
-    try:
-        # O_NONBLOCK: opening a FIFO planted as .metadata must not wait for a writer.
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"'{path}' is not a DCP checkpoint: no {os.path.basename(file)} (was the save interrupted?)"
-        ) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointFormatError(f"checkpoint metadata '{file}' is not a regular file")
-        f = os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-    with f:
-        data = f.read()
-    return parse_metadata(data, f"checkpoint metadata '{file}'", allow_unsafe=allow_unsafe)
-
-
-def _refusal(checkpoint_dir: str, relative_path: Any, entry: Any, reason: str) -> CheckpointFormatError:
-    named = f"checkpoint metadata entry {_entry_name(entry)}" if entry is not None else "checkpoint metadata"
-    return CheckpointFormatError(
-        f"{named} in '{checkpoint_dir}' names data file {_show(relative_path)}, which is refused: {reason}"
-    )
-
-
-def check_relative_path(checkpoint_dir: str | os.PathLike, relative_path: Any, *, entry: Any = None) -> str:
-    """``checkpoint_dir/relative_path`` after checking it cannot lead out of the checkpoint.
-
-    Refuses (:class:`CheckpointFormatError`) a ``relative_path`` that is not a non-empty string,
-    contains a NUL byte, is absolute, has a ``..`` component, or resolves through symlinks outside
-    ``checkpoint_dir`` (or to the directory itself). The file need not exist. ``entry`` (e.g. the
-    MetadataIndex) is named in messages.
-    """
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    if type(relative_path) is not str:
-        raise _refusal(checkpoint_dir, relative_path, entry, f"not a string but a {type(relative_path).__name__}")
-    if not relative_path:
-        raise _refusal(checkpoint_dir, relative_path, entry, "empty file name")
-    if "\0" in relative_path:
-        raise _refusal(checkpoint_dir, relative_path, entry, "it contains a NUL byte")
-    if os.path.isabs(relative_path):
-        raise _refusal(
-            checkpoint_dir, relative_path, entry, "absolute path (data files must lie inside the checkpoint directory)"
-        )
-    parts = relative_path.split(os.sep)
-    if os.altsep:
-        parts = [q for part in parts for q in part.split(os.altsep)]
-    if ".." in parts:
-        raise _refusal(checkpoint_dir, relative_path, entry, "a '..' component leads out of the checkpoint directory")
-    path = os.path.join(checkpoint_dir, relative_path)
-    if len(parts) == 1:
-        # A plain file name (the usual case) escapes only if it is itself a symlink: one lstat.
-        try:
-            if not stat.S_ISLNK(os.lstat(path).st_mode):
-                return path
-        except FileNotFoundError:
-            return path
-    real_dir = os.path.realpath(checkpoint_dir)
-    real = os.path.realpath(path)
-    inside = real_dir if real_dir.endswith(os.sep) else real_dir + os.sep
-    if not real.startswith(inside):
-        raise _refusal(
-            checkpoint_dir,
-            relative_path,
-            entry,
-            f"it resolves to '{real[:_SHOW]}', outside the checkpoint directory (a symlink leading out?)",
-        )
-    return path
-
-
-def resolve_data_file(checkpoint_dir: str | os.PathLike, relative_path: Any, *, entry: Any = None) -> str:
-    """The path of a data file the metadata names, checked to stay inside the checkpoint.
-
-    :func:`check_relative_path`, plus: a missing file raises :class:`CheckpointNotFoundError`
-    (a ``FileNotFoundError``); something that is not a regular file (a FIFO would block the
-    reader forever, a device never ends) raises :class:`CheckpointFormatError`.
-    Returns ``checkpoint_dir/relative_path``.
-    """
-    path = check_relative_path(checkpoint_dir, relative_path, entry=entry)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"checkpoint file '{path}' named in the checkpoint metadata does not exist"
-        ) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise _refusal(os.fspath(checkpoint_dir), relative_path, entry, "not a regular file")
-    return path
-
-
-def check_data_paths(checkpoint_dir: str | os.PathLike, storage_data: Mapping[Any, Any]) -> None:
-    """:func:`check_relative_path` for every data file ``storage_data`` names (once per file)."""
-    seen: set[Any] = set()
-    for key, info in storage_data.items():
-        rel = getattr(info, "relative_path", None)
-        if type(rel) is str and rel in seen:
-            continue
-        check_relative_path(checkpoint_dir, rel, entry=key)
-        seen.add(rel)
-
-
-def file_extents(storage_data: Mapping[Any, Any]) -> dict[str, tuple[int, Any]]:
-    """For each data file: the end of the furthest byte range placed in it, and that entry's key."""
-    ends: dict[str, tuple[int, Any]] = {}
-    for key, info in storage_data.items():
-        rel = getattr(info, "relative_path", None)
-        off, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if type(off) is not int or type(length) is not int:
-            continue  # _validate/_check_storage_info report these
-        end = off + length
-        cur = ends.get(rel)
-        if cur is None or end > cur[0]:
-            ends[rel] = (end, key)
-    return ends
-
-
-def check_file_extents(extents: Mapping[str, tuple[int, Any]], relative_path: str, path: str, size: int) -> None:
-    """Raise :class:`CheckpointFormatError` when the metadata places bytes past the end of the
-    data file ``path`` (``size`` bytes); ``extents`` comes from :func:`file_extents`."""
-    hit = extents.get(relative_path)
-    if hit is not None and hit[0] > size:
-        end, key = hit
-        raise CheckpointFormatError(
-            f"checkpoint file '{path}' is {size} bytes, but the metadata entry {_entry_name(key)} needs bytes up to "
-            f"{end}: the file is truncated or the checkpoint is damaged"
-        )
-
-
-def _entry_name(key: Any) -> str:
+def entry_name(key: Any) -> str:
     fqn = getattr(key, "fqn", None)
     if type(fqn) is not str:
-        return _show(key)
+        return shown(key)
     off = getattr(key, "offset", None)
-    return _show(fqn) + (f" at {_show(off)}" if off is not None else "")
+    return shown(fqn) + (f" at {shown(off)}" if off is not None else "")

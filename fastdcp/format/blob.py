@@ -399,7 +399,7 @@ def tensor_blob_layout(
     # Stride as the tensor has it: for size-1 (or empty) dims a contiguous tensor may carry
     # non-canonical strides, and torch.save records them as they are; they address the same
     # C-order bytes.
-    t = _blob_template(
+    t = blob_template(
         tensor.dtype, tuple(tensor.shape), tensor.stride(), file_offset % data_align, data_align, force_zip64
     )
     return TensorBlobLayout(
@@ -425,7 +425,7 @@ class _BlobTemplate:
 
 
 @functools.lru_cache(maxsize=4096)
-def _blob_template(
+def blob_template(
     dtype: torch.dtype,
     size: tuple[int, ...],
     stride: tuple[int, ...],

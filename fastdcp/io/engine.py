@@ -11,9 +11,9 @@ import os
 import threading
 from dataclasses import dataclass
 
-from . import _C
+from .. import _C
 
-__all__ = ["IoOptions", "get_engine", "DIRECT_ALIGN"]
+__all__ = ["IoOptions", "get_engine", "env_flag", "DIRECT_ALIGN"]
 
 DIRECT_ALIGN: int = int(_C.build_info()["direct_align"])
 
@@ -24,7 +24,7 @@ _DEFAULT_READ_TASK_BYTES = 32 << 20
 _DEFAULT_READ_BUDGET = 512 << 20
 
 
-def _env_flag(name: str) -> bool | None:
+def env_flag(name: str) -> bool | None:
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return None
@@ -36,7 +36,7 @@ def _env_flag(name: str) -> bool | None:
     raise ValueError(f"{name}={value!r}: expected 0/1, true/false, yes/no or on/off")
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return None
@@ -82,16 +82,16 @@ class IoOptions:
         for_reading: bool = False,
     ) -> "IoOptions":
         """Constructor arguments first, then the environment, then defaults; validates each."""
-        env_direct = _env_flag("FASTDCP_DIRECT_IO")
+        env_direct = env_flag("FASTDCP_DIRECT_IO")
         if direct_io is None:
             direct_io = default_direct_io if env_direct is None else env_direct
         def first_given(*values: int | None) -> int | None:
             return next((v for v in values if v is not None), None)
 
-        threads = first_given(io_threads, _env_int("FASTDCP_IO_THREADS"), default_io_threads())
+        threads = first_given(io_threads, env_int("FASTDCP_IO_THREADS"), default_io_threads())
         default_task = _DEFAULT_READ_TASK_BYTES if for_reading else _DEFAULT_WRITE_TASK_BYTES
-        task = first_given(task_bytes, _env_int("FASTDCP_TASK_BYTES"), default_task)
-        budget = first_given(memory_budget_bytes, _env_int("FASTDCP_READ_BUDGET_BYTES"), _DEFAULT_READ_BUDGET)
+        task = first_given(task_bytes, env_int("FASTDCP_TASK_BYTES"), default_task)
+        budget = first_given(memory_budget_bytes, env_int("FASTDCP_READ_BUDGET_BYTES"), _DEFAULT_READ_BUDGET)
         for name, value in (("io_threads", threads), ("task_bytes", task), ("memory_budget_bytes", budget)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,7 +1,7 @@
 """Staging a state dict for ``dcp.async_save``: one reused host slab, copied into, then handed on.
 
 ``stage(state_dict)`` returns a state dict of the same structure whose tensors are views into one
-:class:`~fastdcp._host_memory.HostSlab` (shared memory, pinned under CUDA), and returns only when
+:class:`~fastdcp.io.host_memory.HostSlab` (shared memory, pinned under CUDA), and returns only when
 every byte is there: training may change its tensors the moment it returns, and the checkpoint
 holds the values of the moment ``stage`` was called (no tensor of the result aliases a live one).
 
@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from ._blob import is_plain_dense
-from ._device_writes import CudaCopier
-from ._host_memory import PAGE, HostSlab, allocate_slab
+from ..format.blob import is_plain_dense
+from .device_ring import CudaCopier
+from ..io.host_memory import PAGE, HostSlab, allocate_slab
 
 try:
     from torch.distributed.tensor import DTensor

@@ -1,7 +1,7 @@
 """Writing file images whose tensor bytes live on a GPU: device-to-host copies into a reused pinned
 ring, overlapped with the engine's (O_DIRECT) writes.
 
-A file image (see ``fastdcp.writer``) is sorted host segments (blob headers, CPU tensor bytes) plus
+A file image (see ``fastdcp.save.file_image``) is sorted host segments (blob headers, CPU tensor bytes) plus
 *device segments* (GPU tensor bytes at 4096-aligned file offsets). A file with device segments is
 cut into aligned ranges of at most one ring slot; each slot mirrors its range (a byte at file
 offset ``o`` sits at ``slot + o - range.start``), so device bytes keep their 4096 alignment in host
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ._engine import DIRECT_ALIGN
-from ._host_memory import HostSlab, allocate_slab
+from ..io.engine import DIRECT_ALIGN
+from ..io.host_memory import HostSlab, allocate_slab
 
 __all__ = ["RangeJob", "cut_ranges", "CudaCopier", "DeviceRing", "write_device_images"]
 

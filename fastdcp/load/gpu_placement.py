@@ -1,6 +1,6 @@
 """Placement of stored tensor bytes into CUDA destination tensors.
 
-The CPU placement (:mod:`fastdcp._placement`) decides *what* to read: pieces, their spans and run
+The CPU placement (:mod:`fastdcp.load.pieces`) decides *what* to read: pieces, their spans and run
 tables. For pieces whose destination lives on a GPU this module decides *how it gets there*:
 
 1. the needed bytes are read (the same run tables as the CPU ``staged`` mode; ``window`` pieces are
@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from . import _C
-from ._placement import _MAX_BOX_DIMS, _RAW, _STAGING_ALIGN, Piece, _split_to_budget, _staged_read_table
+from .. import _C
+from .pieces import MAX_BOX_DIMS, RAW, STAGING_ALIGN, Piece, split_to_budget, staged_read_table
 
 __all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES"]
 
@@ -42,7 +42,7 @@ __all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES"]
 # src_stride[8], dst_stride[8]. Little-endian, 232 bytes = 29 int64 slots.
 _BOX_STRUCT = struct.Struct("<QQiiiii4x8q8q8q")
 BOX_BYTES = _BOX_STRUCT.size
-assert BOX_BYTES == 40 + 3 * 8 * _MAX_BOX_DIMS == 232
+assert BOX_BYTES == 40 + 3 * 8 * MAX_BOX_DIMS == 232
 
 # c10::ScalarType numbers of the kinds the kernel knows (ScalarKind in csrc/box_copy.hpp).
 _KIND = {
@@ -68,9 +68,9 @@ def pack_boxes(boxes: list[BoxTuple]) -> bytearray:
     out = bytearray(len(boxes) * BOX_BYTES)
     for i, (src, dst, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride) in enumerate(boxes):
         ndim = len(shape)
-        if ndim > _MAX_BOX_DIMS or len(src_stride) != ndim or len(dst_stride) != ndim:
-            raise ValueError(f"box {i}: {ndim} dims (at most {_MAX_BOX_DIMS}) or mismatched strides")
-        pad = (0,) * (_MAX_BOX_DIMS - ndim)
+        if ndim > MAX_BOX_DIMS or len(src_stride) != ndim or len(dst_stride) != ndim:
+            raise ValueError(f"box {i}: {ndim} dims (at most {MAX_BOX_DIMS}) or mismatched strides")
+        pad = (0,) * (MAX_BOX_DIMS - ndim)
         _BOX_STRUCT.pack_into(out, i * BOX_BYTES, src, dst, ndim, src_kind, dst_kind, src_elem, dst_elem,
                               *shape, *pad, *src_stride, *pad, *dst_stride, *pad)
     return out
@@ -79,7 +79,7 @@ def pack_boxes(boxes: list[BoxTuple]) -> bytearray:
 def _kinds(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> tuple[int, int] | None:
     """Kernel kinds for a copy, or None when the kernel cannot do it."""
     if src_dtype == dst_dtype:
-        return _RAW, _RAW  # a byte copy of any dtype
+        return RAW, RAW  # a byte copy of any dtype
     if src_dtype in _CONVERTIBLE and dst_dtype in _CONVERTIBLE:
         return _KIND[src_dtype], _KIND[dst_dtype]
     return None
@@ -89,7 +89,7 @@ def _kernel_box(piece: Piece, src_address: int) -> BoxTuple | None:
     """The kernel descriptor placing ``piece`` from device memory at ``src_address``, or None when
     the piece must go through ``Tensor.copy_``."""
     dest = piece.dest
-    if dest.is_conj() or dest.is_neg() or len(piece.shape) > _MAX_BOX_DIMS:
+    if dest.is_conj() or dest.is_neg() or len(piece.shape) > MAX_BOX_DIMS:
         return None
     if any(s == 0 and n > 1 for s, n in zip(dest.stride(), dest.shape)):
         return None  # overlapping destination: let torch raise its own error
@@ -100,7 +100,7 @@ def _kernel_box(piece: Piece, src_address: int) -> BoxTuple | None:
             piece.shape, piece.src_stride, tuple(dest.stride()))
 
 
-def _align(n: int, a: int = _STAGING_ALIGN) -> int:
+def _align(n: int, a: int = STAGING_ALIGN) -> int:
     return -(-n // a) * a
 
 
@@ -133,13 +133,13 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
                      stats: dict, read: Callable[[list[tuple]], None]) -> None:
     # Split to the half budget (less room for the piece's descriptor); a window piece too large for
     # a half becomes staged parts read from the file.
-    data_budget = max(_STAGING_ALIGN, (half_budget - BOX_BYTES - 16) // _STAGING_ALIGN * _STAGING_ALIGN)
+    data_budget = max(STAGING_ALIGN, (half_budget - BOX_BYTES - 16) // STAGING_ALIGN * STAGING_ALIGN)
     work: list[Piece] = []
     for piece in pieces:
         if piece.mode == "window" and piece.span_nbytes <= data_budget:
             work.append(piece)
         else:
-            work.extend(_split_to_budget(piece, data_budget))
+            work.extend(split_to_budget(piece, data_budget))
     work.sort(key=lambda p: (p.mode != "window", p.file.path, p.span_start))
 
     # Batches of (piece, data offset within the half).
@@ -185,7 +185,7 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
                 window = piece.window_tensor[piece.window_offset : piece.window_offset + piece.span_nbytes]
                 pinned[half_offset + offset : half_offset + offset + piece.span_nbytes].copy_(window)
             else:
-                tables.append((piece.file, _staged_read_table(piece, base + offset, request_cost)))
+                tables.append((piece.file, staged_read_table(piece, base + offset, request_cost)))
         if tables:
             read(tables)
 

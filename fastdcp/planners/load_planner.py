@@ -1,0 +1,128 @@
+"""FastLoadPlanner: stock's read plan, cached per (destination structure, checkpoint metadata content).
+"""
+
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+)
+
+from ..io.gc import gc_paused
+from .items import _local_read_items, _metadata_key
+from .plan_cache import _local_load_plans, _PackedItems
+from .structure import (
+    _MISSING,
+    _PLAIN_TENSOR_TYPES,
+    _describe,
+    _flatten,
+    _has_legacy_keys,
+    _legacy_flatten_active,
+    _NeedsStock,
+    _supported_kwargs,
+)
+
+
+class FastLoadPlanner(DefaultLoadPlanner):
+    """Drop-in replacement for :class:`~torch.distributed.checkpoint.DefaultLoadPlanner`.
+
+    Takes stock's arguments with stock's meaning and produces stock's read plan. The local plan is
+    cached per (destination structure, checkpoint metadata content); loading into state dicts
+    with meta tensors, and checkpoints saved before torch 2.4, take the stock path.
+
+    fastdcp's own keyword argument:
+        cache_plans: reuse read plans (default True).
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        allow_partial_load: bool = False,
+        *,
+        cache_plans: bool = True,
+    ) -> None:
+        super().__init__(**_supported_kwargs(DefaultLoadPlanner, dict(
+            flatten_state_dict=flatten_state_dict,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+            allow_partial_load=allow_partial_load,
+        )))
+        self.allow_partial_load = allow_partial_load
+        self.cache_plans = cache_plans
+        self._structure_key: tuple[Any, ...] | None = None
+        self.local_plan_hits = 0
+        self.local_plan_misses = 0
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        flat = None
+        if self.flatten_state_dict and not _legacy_flatten_active():
+            try:
+                flat = _flatten(state_dict, flatten_sharded=self.flatten_sharded_tensors, for_load=True)
+            except _NeedsStock:
+                flat = None
+        if flat is None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            flat = _describe(self.state_dict, self.mappings if self.flatten_state_dict else None, True)
+        else:
+            self.original_state_dict = state_dict
+            self.state_dict = flat.state_dict
+            self.mappings = flat.mappings()
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
+        key = flat.key if self.cache_plans else None
+        self._structure_key = None if key is None else (
+            type(self), self.flatten_state_dict, self.flatten_sharded_tensors, self.allow_partial_load, key)
+
+    def create_local_plan(self) -> LoadPlan:
+        if self.metadata is None:
+            raise AssertionError("self.metadata is not None")
+        key = None
+        if self._structure_key is not None:
+            metadata_key = _metadata_key(self.metadata)
+            if metadata_key is not None:
+                key = (self._structure_key, metadata_key)
+        if key is not None:
+            items = _local_load_plans.get(key)
+            if items is not None:
+                self.local_plan_hits += 1
+                return LoadPlan(items)
+        self.local_plan_misses += 1
+        missing = self.metadata.state_dict_metadata.keys() - self.state_dict.keys()
+        if missing and self.flatten_state_dict and _has_legacy_keys(self.original_state_dict, missing):
+            return super().create_local_plan()  # a pre-2.4 checkpoint: stock re-flattens
+        with gc_paused():
+            items = _PackedItems(_local_read_items(self.state_dict, self.metadata, not self.allow_partial_load))
+        if key is not None:
+            _local_load_plans.put(key, items)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict.get(index.fqn, _MISSING)
+        if type(obj) in _PLAIN_TENSOR_TYPES and (index.offset is None or not any(index.offset)):
+            return obj
+        return super().lookup_tensor(index)
+
+    def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
+        if read_item.lengths == tensor.shape:
+            return tensor  # the whole tensor: narrow_tensor_by_index would not narrow any dim
+        return super().transform_tensor(read_item, tensor)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("state_dict", "original_state_dict", "metadata", "mappings"):
+            state.pop(name, None)
+        return state

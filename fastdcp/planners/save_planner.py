@@ -1,0 +1,223 @@
+"""FastSavePlanner: stock's save plans and ``Metadata``, cached per state-dict structure (local
+plans on every rank, global plans on the coordinator).
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+from collections import ChainMap
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+)
+
+from ..io.gc import gc_paused
+from .items import _dedup_plans, _fresh_metadata, _global_plans_and_metadata, _local_write_items, _validate
+from .plan_cache import _global_save_plans, _local_save_plans, _PackedItems
+from .structure import (
+    _MISSING,
+    _PLAIN_TENSOR_TYPES,
+    _describe,
+    _flatten,
+    _legacy_flatten_active,
+    _NeedsStock,
+    _supported_kwargs,
+)
+
+
+@dataclass(frozen=True)
+class _CachedLocalSavePlan:
+    items: _PackedItems
+    mappings: dict[str, tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class _CachedGlobalSavePlan:
+    """What the coordinator planned for one set of local plans."""
+
+    setting: tuple[Any, ...]
+    local_items: list[Any]  # per rank, as received
+    local_planner_data: list[Any]
+    global_items: list[_PackedItems]  # per rank, deduplicated, index hints set
+    metadata: Metadata
+
+    def matches(self, setting: tuple[Any, ...], plans: list[SavePlan]) -> bool:
+        if setting != self.setting or len(plans) != len(self.local_items):
+            return False
+        for plan, items, planner_data in zip(plans, self.local_items, self.local_planner_data):
+            if not getattr(plan, "usable", True) or type(plan.items) is not _PackedItems \
+                    or not plan.items.same_items(items):
+                return False
+            if plan.planner_data is not planner_data and plan.planner_data != planner_data:
+                return False
+        return True
+
+
+class FastSavePlanner(DefaultSavePlanner):
+    """Drop-in replacement for :class:`~torch.distributed.checkpoint.DefaultSavePlanner`.
+
+    Takes stock's arguments with stock's meaning; the checkpoint (data and ``.metadata``) is what
+    stock would write, except that replicated items are spread across ranks largest first.
+    ``enable_plan_caching`` is accepted for compatibility: this planner always caches, in its own
+    way (see the module docstring); stock's delta-plan mechanism is not used.
+
+    fastdcp's own keyword argument:
+        cache_plans: reuse local and global plans while the state dict's structure is unchanged
+            (default True). False plans every save from scratch (still in bulk).
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_replicated_tensors: bool | None = None,
+        dedup_save_to_lowest_rank: bool = False,
+        enable_plan_caching: bool = False,
+        *,
+        cache_plans: bool = True,
+    ) -> None:
+        stock = dict(
+            flatten_state_dict=flatten_state_dict,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+            dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
+            enable_plan_caching=False,
+        )
+        if dedup_replicated_tensors is not None:
+            stock["dedup_replicated_tensors"] = dedup_replicated_tensors  # stock warns it is ignored
+        super().__init__(**_supported_kwargs(DefaultSavePlanner, stock))
+        self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
+        self.cache_plans = cache_plans
+        self._structure_key: tuple[Any, ...] | None = None
+        # Counters for tests and benchmarks: how this planner's plans were obtained.
+        self.local_plan_hits = 0
+        self.local_plan_misses = 0
+        self.global_plan_hits = 0
+        self.global_plan_misses = 0
+
+    def _setting(self) -> tuple[Any, ...]:
+        return (type(self), self.flatten_state_dict, self.flatten_sharded_tensors)
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.is_coordinator = is_coordinator
+        flat = None
+        if self.flatten_state_dict and not _legacy_flatten_active():
+            try:
+                flat = _flatten(state_dict, flatten_sharded=self.flatten_sharded_tensors, for_load=False)
+            except _NeedsStock:
+                flat = None
+        if flat is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            flat = _describe(self.state_dict, self.mappings if self.flatten_state_dict else None, False)
+        self.state_dict = flat.state_dict
+        key = flat.key if self.cache_plans else None
+        self._structure_key = None if key is None else (self._setting(), key)
+        cached = _local_save_plans.get(self._structure_key) if self._structure_key is not None else None
+        self._cached_local = cached
+        if cached is not None:
+            self.mappings = cached.mappings
+        elif self.flatten_state_dict:
+            self.mappings = flat.mappings()
+        else:
+            self.mappings = {}
+
+    def create_local_plan(self) -> SavePlan:
+        planner_data = self.mappings if self.flatten_state_dict else None
+        cached = self._cached_local
+        if cached is not None:
+            self.local_plan_hits += 1
+            self.plan = SavePlan(cached.items, planner_data=planner_data)
+            return self.plan
+        self.local_plan_misses += 1
+        with gc_paused():
+            items = _PackedItems(_local_write_items(self.state_dict))
+        if self._structure_key is not None:
+            _local_save_plans.put(self._structure_key, _CachedLocalSavePlan(items, self.mappings))
+        self.plan = SavePlan(items, planner_data=planner_data)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        setting = (type(self), self.flatten_state_dict, self.dedup_save_to_lowest_rank)
+        entry = None
+        if self.cache_plans:
+            for candidate in _global_save_plans.values():
+                if candidate.matches(setting, all_plans):
+                    entry = candidate
+                    break
+        if entry is not None:
+            self.global_plan_hits += 1
+            _global_save_plans.put(id(entry), entry)  # most recently used
+        else:
+            self.global_plan_misses += 1
+            entry = self._plan_globally(setting, all_plans)
+            if self.cache_plans:
+                _global_save_plans.put(id(entry), entry)
+        # storage_data is this save's (the writer's prefixes are chosen after this, every save).
+        self.global_plan = [
+            dataclasses.replace(plan, items=items)
+            for plan, items in zip(all_plans, entry.global_items)
+        ]
+        self.metadata = _fresh_metadata(entry.metadata)
+        return self.global_plan, self.metadata
+
+    def _plan_globally(self, setting: tuple[Any, ...], all_plans: list[SavePlan]) -> _CachedGlobalSavePlan:
+        if not all(getattr(plan, "usable", True) for plan in all_plans):  # older torch: no field
+            raise ValueError("FastSavePlanner received an unusable (delta) plan; it only plans full local plans")
+        with gc_paused():
+            deduped = _dedup_plans([list(plan.items) for plan in all_plans], self.dedup_save_to_lowest_rank)
+            new_items, state_dict_metadata = _global_plans_and_metadata(deduped)
+            global_items = [
+                plan.items if type(plan.items) is _PackedItems and _same_list(items, plan.items)
+                else _PackedItems(items)
+                for plan, items in zip(all_plans, new_items)
+            ]
+            planner_data = None
+            if self.flatten_state_dict:
+                maps = [plan.planner_data for plan in all_plans]
+                planner_data = dict(maps[0]) if len(maps) == 1 else dict(ChainMap(*maps))
+            metadata = Metadata(state_dict_metadata, planner_data=planner_data)
+            _validate([dataclasses.replace(p, items=i) for p, i in zip(all_plans, global_items)], state_dict_metadata)
+        return _CachedGlobalSavePlan(
+            setting=setting,
+            local_items=[plan.items for plan in all_plans],
+            local_planner_data=[plan.planner_data for plan in all_plans],
+            global_items=global_items,
+            metadata=metadata,
+        )
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        # find_state_dict_object with one dict lookup for a plain tensor (its only chunk is at 0).
+        obj = self.state_dict.get(index.fqn, _MISSING)
+        if type(obj) in _PLAIN_TENSOR_TYPES and (index.offset is None or not any(index.offset)):
+            return obj
+        return super().lookup_object(index)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # async_save(PROCESS) pickles the planner: leave out the last call's state dict and plans.
+        state = dict(self.__dict__)
+        for name in ("state_dict", "plan", "global_plan", "metadata", "mappings", "_cached_local"):
+            state.pop(name, None)
+        return state
+
+
+def _same_list(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
