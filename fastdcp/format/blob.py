@@ -89,7 +89,7 @@ _NAME_DATA0 = b"archive/data/0"
 # Small records with the content torch.save writes: .format_version "1" (storages ordered by
 # numeric key), .storage_alignment "64" (data records are 64-aligned; true for ours too since
 # data_align is a multiple of 64), byteorder (tensor bytes are written in native order),
-# version "3" (kProducedFileFormatVersion). tests/test_blob.py compares them with torch.save's.
+# version "3" (kProducedFileFormatVersion). tests/format/test_blob.py compares them with torch.save's.
 _RECORDS_BEFORE_DATA: tuple[tuple[bytes, bytes], ...] = (
     (b"archive/.format_version", b"1"),
     (b"archive/.storage_alignment", str(ZIP_ALIGN).encode()),

@@ -236,7 +236,7 @@ def test_async_save_process(tmp_path):
     tests_dir = Path(__file__).resolve().parent
     code = textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{str(tests_dir)!r}, {str(tests_dir.parent)!r}]
+        sys.path[:0] = [{str(tests_dir)!r}, {str(tests_dir.parent)!r}, {str(tests_dir.parents[1])!r}]
         import test_planner
         test_planner._async_process_child({str(tmp_path)!r})
     """)

@@ -23,7 +23,7 @@ from benchmarks.state import (VerificationError, build_destination, build_state,
                               corrupt_one_byte, fill_box, llm_like_spec, make_tensor, verify_state)
 from benchmarks.systems import SYSTEM_NAMES, STANDIN_ENV, FastDCPUnavailable, resolve_systems
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Tiny run: 4 MiB state, 50 small tensors, 32 MiB storage probes, one repeat, cold loads by
 # posix_fadvise (a global drop_caches would make every process on the machine re-read its code).

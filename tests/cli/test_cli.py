@@ -24,7 +24,7 @@ from fastdcp.cli import main
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 KINDS = ("stock", "fast")
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _state():

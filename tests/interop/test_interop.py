@@ -34,7 +34,8 @@ from dcp_cases import PAIR_IDS, PAIRS
 
 pairs = pytest.mark.parametrize(("writer_kind", "reader_kind"), PAIRS, ids=PAIR_IDS)
 
-TESTS_DIR = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # this test module, imported by name in child processes
+TESTS_DIR = HERE.parent  # the shared helpers (dcp_cases, _crash_worker)
 REPO_ROOT = TESTS_DIR.parent
 
 
@@ -617,7 +618,7 @@ def async_process_checkpoints(tmp_path_factory):
     env["MASTER_ADDR"] = "127.0.0.1"
     code = textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{str(TESTS_DIR)!r}, {str(REPO_ROOT)!r}]
+        sys.path[:0] = [{str(HERE)!r}, {str(TESTS_DIR)!r}, {str(REPO_ROOT)!r}]
         import test_interop
         test_interop._async_process_child({str(root)!r})
     """)

@@ -26,7 +26,7 @@ try:
 except ImportError:  # package __init__ needs the native extension; this module does not
     _spec = importlib.util.spec_from_file_location(
         "_fastdcp_blob_standalone",
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fastdcp", "format", "blob.py"),
+        os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fastdcp", "format", "blob.py"),
     )
     B = importlib.util.module_from_spec(_spec)
     sys.modules[_spec.name] = B

@@ -1,6 +1,6 @@
 """Builds and runs the native C++ tests without the Python extension.
 
-The CPU tests compile a tests/cpp/test_*.cpp with the csrc/ units it exercises (plain C++17, no
+The CPU tests compile a tests/io/cpp/test_*.cpp with the csrc/ units it exercises (plain C++17, no
 torch) and run it: the box copy (with the thread pool) and CRC-32C. The CUDA test only compiles csrc/cuda/box_copy_cuda.cu for
 sm_80 and sm_90: it needs nvcc, not a GPU.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
 
 
@@ -53,7 +53,7 @@ def test_cpu_native(tmp_path: Path, test_source: str, units: list[str]) -> None:
             "-Wextra",
             "-I",
             str(CSRC),
-            str(REPO / "tests" / "cpp" / test_source),
+            str(REPO / "tests" / "io" / "cpp" / test_source),
             *(str(CSRC / unit) for unit in units),
             "-o",
             str(exe),

@@ -36,7 +36,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Detected an existing checkpoint"),
 ]
 
-TESTS_DIR = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # this test module, imported by name in child processes
+TESTS_DIR = HERE.parent  # the shared helpers (dcp_cases, _crash_worker)
 REPO_ROOT = TESTS_DIR.parent
 Pair = collections.namedtuple("Pair", "left right")
 
@@ -316,7 +317,7 @@ def _run_child(root: Path, mode: str) -> dict:
     code = textwrap.dedent(f"""
         import sys, warnings
         warnings.filterwarnings("ignore")
-        sys.path[:0] = [{str(TESTS_DIR)!r}, {str(REPO_ROOT)!r}]
+        sys.path[:0] = [{str(HERE)!r}, {str(TESTS_DIR)!r}, {str(REPO_ROOT)!r}]
         import test_async_staging
         test_async_staging._child_main({str(root)!r}, {mode!r})
     """)

@@ -1,0 +1,159 @@
+"""The package layout docs/ARCHITECTURE.md describes: one folder per stage, dependencies pointing
+one way, no import cycles. Read from the source (every import statement, including the ones
+inside functions), so nothing has to be imported to check it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fastdcp"
+
+# What each part of the package may import from fastdcp (besides itself and the native _C).
+ALLOWED = {
+    "format": set(),
+    "io": {"format"},
+    "save": {"format", "io"},
+    "load": {"format", "io"},
+    "planners": {"io"},
+    "cli": {"format", "io", "load"},
+}
+TOP_LEVEL = {"fastdcp", "fastdcp.__main__", "fastdcp._C"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The fastdcp modules ``name`` imports (``from .x import y`` counts ``x.y`` when that is a
+    module, else ``x``)."""
+    is_package = path.name == "__init__.py"
+    package_parts = name.split(".") if is_package else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "fastdcp"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package_parts[: len(package_parts) - node.level + 1]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.split(".")[0] != "fastdcp":
+                continue
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in known else base)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules) | {"fastdcp._C"}
+    return {name: _imports(name, path, known) - {name} for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+def test_the_checks_catch_a_cycle_and_a_wrong_direction():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert _wrong_directions({"fastdcp.format.x": {"fastdcp.load.y"}}) == ["fastdcp.format.x -> fastdcp.load.y"]
+
+
+def test_the_graph_sees_every_module_and_its_imports():
+    graph = _graph()
+    assert {"fastdcp.format.blob", "fastdcp.save.writer", "fastdcp.load.reader", "fastdcp.cli"} <= set(graph)
+    assert "fastdcp.format.blob" in graph["fastdcp.save.writer"]
+    assert "fastdcp.load.gpu_placement" in graph["fastdcp.load.placement"]
+    assert "fastdcp._C" in graph["fastdcp.io.engine"]
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def _wrong_directions(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, imported in graph.items():
+        part = _part(module)
+        if part is None:
+            continue
+        for target in imported:
+            if target in TOP_LEVEL and target != "fastdcp._C":
+                wrong.append(f"{module} -> {target}")  # never through the package's __init__
+            target_part = _part(target)
+            if target_part is not None and target_part != part and target_part not in ALLOWED[part]:
+                wrong.append(f"{module} -> {target}")
+    return sorted(wrong)
+
+
+def test_dependencies_point_one_way():
+    assert _wrong_directions(_graph()) == []
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED))
+def test_each_part_says_what_it_owns(part):
+    init = PACKAGE / part / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text()))
+    assert doc, f"{init} has no docstring saying what the folder owns"
+    for path in sorted((PACKAGE / part).glob("*.py")):
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
+
+
+def test_the_architecture_document_names_every_module():
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    missing = [
+        name for name, path in _modules().items()
+        if path.name != "__init__.py" and name not in TOP_LEVEL
+        and str(path.relative_to(PACKAGE.parent)) not in text
+    ]
+    assert missing == [], f"docs/ARCHITECTURE.md does not mention {missing}"
