@@ -9,7 +9,7 @@
 Works on checkpoints written by stock DCP and by fastdcp. Nothing in the checkpoint is trusted:
 ``.metadata`` goes through the restricted loader (:mod:`fastdcp.format.metadata`; ``--allow-unsafe-metadata``
 opts out for a trusted checkpoint with custom classes), data files are opened only inside the
-directory, and tensor blobs are parsed by :func:`fastdcp.format.blob.parse_tensor_blob` (headers only,
+directory, and tensor blobs are parsed by :func:`fastdcp.format.blob_parse.parse_tensor_blob` (headers only,
 not tensor data).
 """
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from ..format.blob import BlobFormatError, TensorBlobInfo, parse_tensor_blob
+from ..format.blob import BlobFormatError
+from ..format.blob_parse import TensorBlobInfo, parse_tensor_blob
 from ..format.metadata import METADATA_NAME, CheckpointFormatError, CheckpointNotFoundError
 from ..io.checkpoint_files import load_metadata, resolve_data_file
 

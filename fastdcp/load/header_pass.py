@@ -3,7 +3,7 @@ blob a load needs (small blobs and byte items whole), and what those bytes say.
 
 Each blob's headers are then recognised (:class:`KnownBlobs`: blobs fastdcp's writer laid out,
 compared byte for byte against the layout it would give them) or parsed
-(:func:`parse_blob`, :func:`fastdcp.format.blob.parse_tensor_blob`).
+(:func:`parse_blob`, :func:`fastdcp.format.blob_parse.parse_tensor_blob`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .. import _C
-from ..format.blob import DATA_ALIGN, ZIP_ALIGN, BlobFormatError, TensorBlobInfo, blob_template, parse_tensor_blob
+from ..format.blob import DATA_ALIGN, ZIP_ALIGN, BlobFormatError, blob_template
+from ..format.blob_parse import TensorBlobInfo, parse_tensor_blob
 
 __all__ = ["Window", "KnownBlobs", "read_windows", "parse_blob", "window_bytes", "find_window"]
 

@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .. import _C
-from ..format.blob import BlobFormatError, TensorBlobInfo
+from ..format.blob import BlobFormatError
+from ..format.blob_parse import TensorBlobInfo
 from .header_pass import find_window
 
 __all__ = [

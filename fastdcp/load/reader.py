@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .. import _C
-from ..format.blob import BlobFormatError, TensorBlobInfo
+from ..format.blob import BlobFormatError
+from ..format.blob_parse import TensorBlobInfo
 from ..format.checksums import ChecksumError, checksummed_items
 from ..io.checkpoint_files import check_data_paths, check_file_extents, file_extents, resolve_data_file
 from ..io.engine import IoOptions, env_flag, get_engine

@@ -6,13 +6,11 @@ Everything is checked against the installed torch (torch.save / torch.load), no 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import io
 import os
 import pickle
 import random
 import struct
-import sys
 import time
 import warnings
 import zipfile
@@ -21,16 +19,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-try:
-    from fastdcp.format import blob as B
-except ImportError:  # package __init__ needs the native extension; this module does not
-    _spec = importlib.util.spec_from_file_location(
-        "_fastdcp_blob_standalone",
-        os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fastdcp", "format", "blob.py"),
-    )
-    B = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = B
-    _spec.loader.exec_module(B)
+from fastdcp.format import blob as B
+from fastdcp.format import blob_parse as BP
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,14 +154,14 @@ def _parse_full(blob: bytes, where: str = "mem"):
     def no_reads(off, n):
         raise AssertionError("read_more called although the windows cover the blob")
 
-    return B.parse_tensor_blob(blob, blob, len(blob), no_reads, where)
+    return BP.parse_tensor_blob(blob, blob, len(blob), no_reads, where)
 
 
 def _parse_windows(blob: bytes, head_n: int, tail_n: int, where: str = "mem"):
     reads = _Reads(blob)
     head = blob[: min(head_n, len(blob))]
     tail = blob[len(blob) - min(tail_n, len(blob)) :]
-    return B.parse_tensor_blob(head, tail, len(blob), reads, where), reads
+    return BP.parse_tensor_blob(head, tail, len(blob), reads, where), reads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +326,7 @@ def test_huge_tensor_zip64_sparse_file(tmp_path):
             f.seek(off)
             return f.read(n)
 
-        info = B.parse_tensor_blob(layout.head, layout.tail, layout.length, read_more, str(path))
+        info = BP.parse_tensor_blob(layout.head, layout.tail, layout.length, read_more, str(path))
     assert (info.data_offset, info.storage_nbytes, info.size, info.stride) == (
         layout.data_offset,
         layout.data_nbytes,
@@ -368,7 +358,7 @@ def test_parse_stock_zip64_sparse_file(tmp_path):
             f.seek(off)
             return f.read(n)
 
-        info = B.parse_tensor_blob(head, tail, size, read_more, str(path))
+        info = BP.parse_tensor_blob(head, tail, size, read_more, str(path))
     assert info.storage_nbytes == 5 << 30
     assert info.size == (2621440, 1024) and info.stride == (1024, 1) and info.dtype == torch.bfloat16
     assert info.data_offset == 704  # archive name "stockbig/" from the file name
@@ -411,7 +401,7 @@ def test_parse_our_blobs(dtype):
             blob = _assemble(layout, t)
             # The windows a writer has anyway: head and tail, nothing in between.
             reads = _Reads(blob)
-            info = B.parse_tensor_blob(layout.head, layout.tail, layout.length, reads, "ours")
+            info = BP.parse_tensor_blob(layout.head, layout.tail, layout.length, reads, "ours")
             assert reads.calls == []
             assert info.data_offset == layout.data_offset
             assert info.storage_nbytes == layout.data_nbytes
@@ -492,7 +482,7 @@ def _blob_with_pkl(pkl: bytes, storage: bytes = b"\0" * 16) -> bytes:
 def _expect_error(blob: bytes, *, blob_length: int | None = None, match: str | None = None) -> BaseException:
     n = len(blob) if blob_length is None else blob_length
     with pytest.raises(B.BlobFormatError, match=match) as ei:
-        B.parse_tensor_blob(blob, blob, n, lambda o, k: blob[o : o + k], "/ckpt/__0_0.distcp")
+        BP.parse_tensor_blob(blob, blob, n, lambda o, k: blob[o : o + k], "/ckpt/__0_0.distcp")
     assert "/ckpt/__0_0.distcp" in str(ei.value)
     return ei.value
 
@@ -558,7 +548,7 @@ def test_build_cannot_tamper_with_stand_ins():
         _expect_error(_blob_with_pkl(pkl))
         # Second layer, below the opcode filter: the unpickler's stand-ins refuse setattr.
         with pytest.raises((AttributeError, TypeError, pickle.UnpicklingError)):
-            B._RestrictedUnpickler(pkl).load()
+            BP._RestrictedUnpickler(pkl).load()
     t = torch.randn(3)
     _check_info(_torch_save(t), _parse_full(_torch_save(t)), t)  # still works afterwards
 
@@ -678,18 +668,18 @@ def test_truncated_blobs():
         for cut in list(range(0, n, 13)) + [n - 1, n - 21, n - 22, n - 23]:
             cut_blob = blob[:cut]
             with pytest.raises(B.BlobFormatError):
-                B.parse_tensor_blob(cut_blob, cut_blob, len(cut_blob), lambda o, k: cut_blob[o : o + k], "cut")
+                BP.parse_tensor_blob(cut_blob, cut_blob, len(cut_blob), lambda o, k: cut_blob[o : o + k], "cut")
         # The caller believes the blob is longer than it is: read_more comes back short.
         with pytest.raises(B.BlobFormatError):
-            B.parse_tensor_blob(blob[:10], b"", n, lambda o, k: blob[o : o + k][: max(0, k - 1)], "short")
+            BP.parse_tensor_blob(blob[:10], b"", n, lambda o, k: blob[o : o + k][: max(0, k - 1)], "short")
         # Windows larger than the blob are a caller bug, reported the same way.
         with pytest.raises(B.BlobFormatError):
-            B.parse_tensor_blob(blob, b"", n - 1, lambda o, k: b"", "bad")
+            BP.parse_tensor_blob(blob, b"", n - 1, lambda o, k: b"", "bad")
         # Leading bytes missing: all offsets are off.
         for skip in (1, 30, 64):
             b2 = blob[skip:]
             with pytest.raises(B.BlobFormatError):
-                B.parse_tensor_blob(b2, b2, len(b2), lambda o, k: b2[o : o + k], "skip")
+                BP.parse_tensor_blob(b2, b2, len(b2), lambda o, k: b2[o : o + k], "skip")
 
 
 @pytest.mark.parametrize("sig", [b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"])
@@ -779,7 +769,7 @@ def test_random_corruption_fuzz():
                 bad[pos] = rng.randrange(256)
             bad = bytes(bad)
             try:
-                info = B.parse_tensor_blob(bad, bad, len(bad), lambda o, k: bad[o : o + k], "fuzz")
+                info = BP.parse_tensor_blob(bad, bad, len(bad), lambda o, k: bad[o : o + k], "fuzz")
             except B.BlobFormatError:
                 continue
             assert 0 <= info.data_offset and info.data_offset + info.storage_nbytes <= len(bad)

@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from fastdcp import FastFileSystemWriter
-from fastdcp.format.blob import BlobFormatError, TensorBlobInfo, parse_tensor_blob, tensor_blob_layout
+from fastdcp.format.blob import BlobFormatError, tensor_blob_layout
+from fastdcp.format.blob_parse import TensorBlobInfo, parse_tensor_blob
 from fastdcp.format.metadata import CheckpointFormatError, parse_metadata
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 import fastdcp
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
 from fastdcp.format import metadata as fmd
-from fastdcp.format.blob import parse_tensor_blob
+from fastdcp.format.blob_parse import parse_tensor_blob
 from fastdcp.format.metadata import CheckpointFormatError, CheckpointNotFoundError, parse_metadata
 from fastdcp.io.checkpoint_files import check_relative_path, load_metadata, resolve_data_file
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import fastdcp
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
-from fastdcp.format.blob import parse_tensor_blob
+from fastdcp.format.blob_parse import parse_tensor_blob
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -523,7 +523,7 @@ def _stored_blobs(path):
 
 @pytest.mark.parametrize("writer_kind", C.KINDS)
 def test_known_blob_layouts_agree_with_the_parser(writer_kind, tmp_path):
-    from fastdcp.format.blob import parse_tensor_blob
+    from fastdcp.format.blob_parse import parse_tensor_blob
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
     save(_known_blob_sd(), tmp_path, writer=writer_kind)
