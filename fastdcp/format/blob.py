@@ -8,8 +8,8 @@ offset of a ``.distcp`` file. This module is the only place that knows that form
   byte-identical to torch's), while the tensor bytes start at a ``data_align``-aligned *file*
   offset. The caller writes ``head``, then the tensor bytes straight from memory (O_DIRECT),
   then ``tail``; nothing here touches tensor memory.
-* :func:`fastdcp.format.blob_parse.parse_tensor_blob` does the reverse without ``torch.load`` or :mod:`zipfile`: it walks
-  EOCD -> central directory -> local headers and unpickles ``data.pkl`` with a restricted
+* :func:`fastdcp.format.blob_parse.parse_tensor_blob` does the reverse without ``torch.load`` or
+  :mod:`zipfile`: it walks EOCD -> central directory -> local headers and unpickles ``data.pkl`` with a restricted
   unpickler, returning where the storage bytes are and how to view them (dtype, size, stride,
   storage offset), so a reader can ``pread`` only the bytes it needs.
 

@@ -494,7 +494,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             hit = allowed
         else:
             raise _Reject(
-                f"refusing to load disallowed global {module[:SHOW_CHARS]}.{name[:SHOW_CHARS]} (a DCP .metadata holds only "
+                f"refusing to load disallowed global {module[:SHOW_CHARS]}.{name[:SHOW_CHARS]} "
+                f"(a DCP .metadata holds only "
                 f"{_ALLOWED_TEXT}; allow a custom class with fastdcp.add_safe_metadata_globals, or pass "
                 f"allow_unsafe_metadata=True only for a checkpoint you trust)"
             )

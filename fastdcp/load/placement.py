@@ -94,7 +94,8 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
     # placed by the CUDA kernel when the extension has it; otherwise they take the paths below
     # (Tensor.copy_ from host memory).
     gpu_pieces: list[Piece] = []
-    use_gpu = any(p.dest.device.type == "cuda" for pl in placements for p in pl.pieces) and gpu_placement.gpu_placement_available()
+    use_gpu = any(p.dest.device.type == "cuda" for pl in placements for p in pl.pieces)
+    use_gpu = use_gpu and gpu_placement.gpu_placement_available()
     # --- end GPU destinations
     for placement in placements:
         for piece in placement.pieces:

@@ -26,8 +26,8 @@ checkpoint they write loads bit-exactly with stock ``DefaultLoadPlanner``), but:
   save for ``FastFileSystemWriter``) is never cached: it is taken from this save's plans, and the
   writer's ``prepare_global_plan`` runs on every save. ``Metadata`` is handed out as a fresh object
   with fresh top-level dicts, since writers assign ``storage_data``/``storage_meta`` on it.
-- **Plan transfer.** Plan item lists pickle as one cached blob (:class:`fastdcp.planners.plan_cache._PackedItems`), and the
-  receiving side keeps the lists it unpickled by blob, so an unchanged plan crosses the gather and
+- **Plan transfer.** Plan item lists pickle as one cached blob
+  (:class:`fastdcp.planners.plan_cache._PackedItems`), and the receiving side keeps the lists it unpickled by blob, so an unchanged plan crosses the gather and
   scatter collectives as one memcpy-sized bytes object instead of thousands of pickled dataclasses.
 - **Bulk construction on a miss.** Items for plain tensors are built in one pass, sharing equal
   ``TensorProperties``, offsets and chunks (which also makes ``.metadata`` smaller and faster to
@@ -42,8 +42,8 @@ checkpoint they write loads bit-exactly with stock ``DefaultLoadPlanner``), but:
 content of the checkpoint's ``state_dict_metadata``: loading the same checkpoint again, or another
 checkpoint of the same model, reuses the plan; a checkpoint with other shapes or chunks replans.
 
-Caches are per process, bounded (:data:`fastdcp.planners.plan_cache._CACHE_ENTRIES` structures each), hold no tensors, and can
-be dropped with :func:`clear_plan_caches`. Plans handed out share their (frozen) items with the
+Caches are per process, bounded (:data:`fastdcp.planners.plan_cache._CACHE_ENTRIES` structures
+each), hold no tensors, and can be dropped with :func:`clear_plan_caches`. Plans handed out share their (frozen) items with the
 cache; like DCP's own code, callers must not mutate a plan's item list or metadata entries in place.
 """
 
