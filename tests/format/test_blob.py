@@ -1,4 +1,4 @@
-"""Unit tests for fastdcp/_blob.py: hand-made torch.save blobs and the blob parser.
+"""Unit tests for fastdcp/format/blob.py and fastdcp/format/blob_parse.py: hand-made torch.save blobs and the blob parser.
 
 Everything is checked against the installed torch (torch.save / torch.load), no mocks.
 """

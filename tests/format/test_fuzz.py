@@ -1,5 +1,5 @@
 """Bounded fuzzing of the two parsers that read untrusted checkpoint bytes (issue 6):
-``fastdcp._metadata.parse_metadata`` (``.metadata`` pickles) and ``fastdcp._blob.parse_tensor_blob``
+``fastdcp.format.metadata.parse_metadata`` (``.metadata`` pickles) and ``fastdcp.format.blob_parse.parse_tensor_blob``
 (torch.save zip blobs). Inputs are real files from both writers, mutated by hypothesis (flips,
 overwrites, truncation, insertion, deletion, duplication). Each call must return a valid result or
 raise the documented error type, never anything else, and finish within 2 s. Derandomized so CI

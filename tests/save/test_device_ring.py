@@ -1,4 +1,4 @@
-"""The GPU save path (``fastdcp._device_writes``): file images whose tensor bytes are copied
+"""The GPU save path (``fastdcp.save.device_ring``): file images whose tensor bytes are copied
 device-to-host through a pinned ring while earlier slots are written.
 
 Without a GPU the same pipeline runs with CPU tensors standing in for device tensors and a copier
