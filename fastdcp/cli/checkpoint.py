@@ -4,43 +4,30 @@ nothing trusted and no tensor data read."""
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo, parse_tensor_blob
-from ..format.metadata import METADATA_NAME, CheckpointFormatError, CheckpointNotFoundError
+from ..format.metadata import METADATA_NAME, RANK_METADATA_RE, CheckpointFormatError, CheckpointNotFoundError
 from ..io.checkpoint_files import load_metadata, resolve_data_file
-
 
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 
 HEAD_BYTES = 8 << 10  # blob bytes read from the front: data.pkl and the data record's local header
 
-
-
 TAIL_BYTES = 4 << 10  # and from the back: the central directory and end records
 
-
-
 TORCH_LOAD_LIMIT = 64 << 20  # blobs fastdcp cannot parse (quantized, ...) up to this size go to torch.load
-
-
 
 WRITER_SAMPLE = 8  # tensor blobs examined to tell which writer wrote the checkpoint
 
 
 
-_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
-
-
-
 class NotACheckpoint(Exception):
     pass
-
 
 
 class DataFile:
@@ -77,7 +64,6 @@ class DataFile:
             self.fd = None
 
 
-
 def parse_blob_headers(file: DataFile, offset: int, length: int) -> tuple[TensorBlobInfo, bytes]:
     """Parse the tensor blob at [offset, offset+length) of ``file``; also returns the head bytes."""
     head = file.read(offset, min(length, HEAD_BYTES))
@@ -90,7 +76,6 @@ def parse_blob_headers(file: DataFile, offset: int, length: int) -> tuple[Tensor
         return file.read(offset + rel, nbytes)
 
     return parse_tensor_blob(head, tail, length, read_more, f"'{file.path}' (blob at offset {offset})"), head
-
 
 
 def pad_marker(head: bytes) -> bytes | None:
@@ -114,7 +99,6 @@ def pad_marker(head: bytes) -> bytes | None:
                 return None
         i = head.find(b"/data/0", i + 1)
     return None
-
 
 
 @dataclass
@@ -141,7 +125,6 @@ class Checkpoint:
             f.close()
 
 
-
 def metadata_files(directory: str) -> list[str]:
     if not os.path.lexists(directory):
         raise NotACheckpoint(f"'{directory}' is not a DCP checkpoint: the directory does not exist")
@@ -150,13 +133,12 @@ def metadata_files(directory: str) -> list[str]:
     if os.path.lexists(os.path.join(directory, METADATA_NAME)):
         return [METADATA_NAME]
     try:
-        ranks = sorted(int(m.group(1)) for m in map(_RANK_METADATA.match, os.listdir(directory)) if m)
+        ranks = sorted(int(m.group(1)) for m in map(RANK_METADATA_RE.match, os.listdir(directory)) if m)
     except OSError as e:
         raise NotACheckpoint(f"'{directory}': cannot list the directory: {e}") from None
     if not ranks:
         raise NotACheckpoint(f"'{directory}' is not a DCP checkpoint: no {METADATA_NAME}")
     return [f"__{r}{METADATA_NAME}" for r in ranks]
-
 
 
 def open_checkpoint(directory: str, allow_unsafe: bool) -> Checkpoint:
@@ -171,10 +153,8 @@ def open_checkpoint(directory: str, allow_unsafe: bool) -> Checkpoint:
     return Checkpoint(directory, names, metadata)
 
 
-
 def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
-
 
 
 def detect_writer(ckpt: Checkpoint) -> str:
@@ -207,7 +187,6 @@ def detect_writer(ckpt: Checkpoint) -> str:
     if markers:
         return "mixed (fastdcp and torch.save blobs)"
     return "unknown"
-
 
 
 def human_size(n: int | None) -> str:

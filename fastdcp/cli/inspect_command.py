@@ -12,8 +12,6 @@ from typing import Any
 from .checkpoint import EXIT_OK, Checkpoint, detect_writer, dtype_name, human_size
 
 
-
-
 def _tensor_rows(ckpt: Checkpoint) -> tuple[list[dict], list[dict]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -41,7 +39,6 @@ def _tensor_rows(ckpt: Checkpoint) -> tuple[list[dict], list[dict]]:
             else:
                 byte_items.append({"fqn": fqn, "stored_bytes": sizes.get((fqn, None))})
     return tensors, byte_items
-
 
 
 def run_inspect(ckpt: Checkpoint, as_json: bool) -> int:

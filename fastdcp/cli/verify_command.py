@@ -15,8 +15,6 @@ from ..format.metadata import CHECKSUM_ATTRIBUTE
 from .checkpoint import EXIT_DAMAGED, EXIT_OK, Checkpoint, DataFile, dtype_name, parse_blob_headers, TORCH_LOAD_LIMIT
 
 
-
-
 def _check_checksums(ckpt: Checkpoint, storage: dict, damaged: set[tuple[str, int]]) -> tuple[str, list[str]]:
     """Verify the CRC-32C checksums a fastdcp writer recorded (``FastFileSystemWriter(checksums=True)``)
     for every item not already found damaged. Returns a summary line and one message per mismatch."""
@@ -45,7 +43,6 @@ def _check_checksums(ckpt: Checkpoint, storage: dict, damaged: set[tuple[str, in
     return f"checksums: {len(items) - len(mismatches)} of {recorded} recorded checksums match", mismatches
 
 
-
 def _torch_load_matches(file: DataFile, offset: int, length: int) -> torch.Tensor | None:
     """For blobs fastdcp's parser does not take (quantized, sparse, ...): what stock's
     ``torch.load(weights_only=True)`` makes of them, or None."""
@@ -58,7 +55,6 @@ def _torch_load_matches(file: DataFile, offset: int, length: int) -> torch.Tenso
     except Exception:  # noqa: BLE001 - any failure means "not loadable"
         return None
     return obj if isinstance(obj, torch.Tensor) else None
-
 
 
 def _check_item(ckpt: Checkpoint, file: DataFile, index: Any, info: Any, kinds: dict, problem: Any) -> None:
@@ -106,7 +102,6 @@ def _check_item(ckpt: Checkpoint, file: DataFile, index: Any, info: Any, kinds: 
             f"{dtype_name(want_dtype)} {want_shape}",
             fqn,
         )
-
 
 
 def run_verify(ckpt: Checkpoint, as_json: bool) -> int:
@@ -192,7 +187,6 @@ def run_verify(ckpt: Checkpoint, as_json: bool) -> int:
         else:
             out(f"DAMAGED: {ckpt.directory}: {len(problems)} problem{'s' if len(problems) != 1 else ''} ({summary})\n")
     return EXIT_OK if ok else EXIT_DAMAGED
-
 
 
 def _fmt(offset: Any) -> str:

@@ -49,7 +49,6 @@ _MAX_PKL = 1 << 20
 _MAX_NDIM = 1024
 
 
-
 @dataclass(frozen=True, slots=True)
 class TensorBlobInfo:
     """Where one tensor's bytes are inside a blob and how to view them.

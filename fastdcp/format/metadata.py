@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 __all__ = [
     "METADATA_NAME",
+    "RANK_METADATA_RE",
     "CHECKSUM_ATTRIBUTE",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
@@ -55,6 +56,8 @@ __all__ = [
 ]
 
 METADATA_NAME = ".metadata"  # stock's filesystem._metadata_fn
+# A rank-local save's metadata (``dcp.save(use_collectives=False)``): ``__{rank}.metadata``.
+RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 # The attribute holding the CRC-32C a fastdcp writer may record on each _StorageInfo (defined
 # here, with the rest of the metadata format; the writer and format.checksums import it).
 CHECKSUM_ATTRIBUTE = "fastdcp_crc32c"
@@ -373,11 +376,9 @@ _ALLOWED_TEXT = (
     "the torch.distributed.checkpoint metadata classes, torch.Size, dtypes, layouts and pathlib paths"
 )
 
-
 # ---------------------------------------------------------------------------------------------
 # Globals the user allowed (custom planner or storage classes in .metadata)
 # ---------------------------------------------------------------------------------------------
-
 _user_globals: dict[str, frozenset[str]] = {}  # module -> qualified names
 _user_globals_lock = threading.Lock()
 

@@ -48,7 +48,6 @@ def metadata_path(checkpoint_dir: str | os.PathLike, rank: int | None = None) ->
     return os.path.join(os.fspath(checkpoint_dir), name)
 
 
-
 def load_metadata(
     path: str | os.PathLike, *, rank: int | None = None, allow_unsafe: bool = False
 ) -> _md.Metadata:
@@ -87,13 +86,11 @@ def load_metadata(
     return parse_metadata(data, f"checkpoint metadata '{file}'", allow_unsafe=allow_unsafe)
 
 
-
 def _refusal(checkpoint_dir: str, relative_path: Any, entry: Any, reason: str) -> CheckpointFormatError:
     named = f"checkpoint metadata entry {entry_name(entry)}" if entry is not None else "checkpoint metadata"
     return CheckpointFormatError(
         f"{named} in '{checkpoint_dir}' names data file {shown(relative_path)}, which is refused: {reason}"
     )
-
 
 
 def check_relative_path(checkpoint_dir: str | os.PathLike, relative_path: Any, *, entry: Any = None) -> str:
@@ -141,7 +138,6 @@ def check_relative_path(checkpoint_dir: str | os.PathLike, relative_path: Any, *
     return path
 
 
-
 def resolve_data_file(checkpoint_dir: str | os.PathLike, relative_path: Any, *, entry: Any = None) -> str:
     """The path of a data file the metadata names, checked to stay inside the checkpoint.
 
@@ -162,7 +158,6 @@ def resolve_data_file(checkpoint_dir: str | os.PathLike, relative_path: Any, *, 
     return path
 
 
-
 def check_data_paths(checkpoint_dir: str | os.PathLike, storage_data: Mapping[Any, Any]) -> None:
     """:func:`check_relative_path` for every data file ``storage_data`` names (once per file)."""
     seen: set[Any] = set()
@@ -172,7 +167,6 @@ def check_data_paths(checkpoint_dir: str | os.PathLike, storage_data: Mapping[An
             continue
         check_relative_path(checkpoint_dir, rel, entry=key)
         seen.add(rel)
-
 
 
 def file_extents(storage_data: Mapping[Any, Any]) -> dict[str, tuple[int, Any]]:
@@ -188,7 +182,6 @@ def file_extents(storage_data: Mapping[Any, Any]) -> dict[str, tuple[int, Any]]:
         if cur is None or end > cur[0]:
             ends[rel] = (end, key)
     return ends
-
 
 
 def check_file_extents(extents: Mapping[str, tuple[int, Any]], relative_path: str, path: str, size: int) -> None:

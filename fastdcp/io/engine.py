@@ -109,7 +109,6 @@ _engines: dict[tuple[int, int, int], "_C.Engine"] = {}
 _engines_lock = threading.Lock()
 
 
-
 def get_engine(options: IoOptions) -> "_C.Engine":
     """The engine for these options in this process (threads do not survive fork, hence the pid)."""
     key = (os.getpid(), options.io_threads, options.task_bytes)

@@ -23,26 +23,16 @@ from ..format.blob_parse import TensorBlobInfo, parse_tensor_blob
 
 __all__ = ["Window", "KnownBlobs", "read_windows", "parse_blob", "window_bytes", "find_window"]
 
-
 # Blobs up to this size are read whole in the header pass (their data comes along for free).
 _WHOLE_BLOB_BYTES = 256 << 10
 
-
-
 _HEAD_WINDOW = 8 << 10  # covers data.pkl and, in fastdcp blobs, the padded data/0 header
-
-
 
 _TAIL_WINDOW = 4 << 10  # covers the central directory and end records
 
-
-
 _MERGE_GAP = 64 << 10  # windows closer than this are read as one request
 
-
-
 _SERIALIZATION_ID_LEN = 40  # the decimal digits of a blob's .data/serialization_id record
-
 
 
 @dataclass(frozen=True)
@@ -62,11 +52,9 @@ class _KnownLayout:
         return len(self.head) + self.data_nbytes + tail
 
 
-
 # The data alignments fastdcp's writer uses (small tensors packed at torch's 64 bytes, large ones
 # page-aligned); a blob laid out with any other is simply parsed.
 _WRITER_DATA_ALIGNS = (ZIP_ALIGN, DATA_ALIGN)
-
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,7 +74,6 @@ def _known_layout(dtype: torch.dtype, size: tuple[int, ...], phase: int, data_al
         data_nbytes=t.data_nbytes,
         info=TensorBlobInfo(t.data_offset, t.data_nbytes, dtype, tuple(size), stride, 0),
     )
-
 
 
 class KnownBlobs:
@@ -151,7 +138,6 @@ class KnownBlobs:
         return layout.info
 
 
-
 def _stored_chunk(md: TensorStorageMetadata, index: MetadataIndex) -> Any:
     """The chunk of ``md`` that ``index`` names (its index hint first, as DCP looks it up)."""
     chunks = md.chunks
@@ -162,7 +148,6 @@ def _stored_chunk(md: TensorStorageMetadata, index: MetadataIndex) -> Any:
         if chunk.offsets == index.offset:
             return chunk
     return None
-
 
 
 @dataclass(frozen=True)
@@ -178,7 +163,6 @@ class Window:
 
     def slice(self, start: int, end: int) -> bytes:
         return bytes(self.data[start - self.start : end - self.start])
-
 
 
 def window_bytes(windows: list[Window], start: int, end: int) -> bytes:

@@ -68,7 +68,6 @@ class MetadataCache:
             self._entries.clear()
 
 
-
 def copy_metadata(metadata: Metadata) -> Metadata:
     """A ``Metadata`` sharing the entries of ``metadata`` but with its own top-level containers."""
     new = copy.copy(metadata)
@@ -84,9 +83,7 @@ def copy_metadata(metadata: Metadata) -> Metadata:
     return new
 
 
-
 metadata_cache = MetadataCache()
-
 
 
 def clear_metadata_cache() -> None:

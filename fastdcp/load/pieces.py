@@ -45,32 +45,20 @@ __all__ = [
     "REQUEST_COST_BYTES_DIRECT",
 ]
 
-
 # Raw elements for the native box copy (csrc/box_copy.hpp ScalarKind::kRawBytes): a byte copy.
 RAW = -1
 
-
-
 MAX_BOX_DIMS = 8
 
-
-
 STAGING_ALIGN = 64
-
-
 
 # Runs at least this long are read straight into a destination, one request each.
 _MIN_DIRECT_RUN_BYTES = 1024
 
-
-
 # What one more request costs, in bytes one could read instead (a syscall vs. a page-cache copy).
 REQUEST_COST_BYTES = 4096
 
-
-
 REQUEST_COST_BYTES_DIRECT = 64 << 10  # an O_DIRECT request goes to the device
-
 
 
 @dataclass
@@ -89,13 +77,11 @@ class Piece:
     window_offset: int = 0
 
 
-
 @dataclass
 class Placement:
     item: ReadItem
     target: torch.Tensor
     pieces: list[Piece] = field(default_factory=list)
-
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -104,7 +90,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
-
 
 
 def _box_is_dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -117,7 +102,6 @@ def _box_is_dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
             return False
         expected *= n
     return True
-
 
 
 def plan_placement(item: ReadItem, info: _StorageInfo, blob: TensorBlobInfo, target: torch.Tensor,
@@ -152,7 +136,6 @@ def plan_placement(item: ReadItem, info: _StorageInfo, blob: TensorBlobInfo, tar
     return placement
 
 
-
 def _add_pieces(placement: Placement, file, span_start: int, span_nbytes: int, dtype: torch.dtype,
                 shape: tuple[int, ...], stride: tuple[int, ...], dest: torch.Tensor, windows: list) -> None:
     window = find_window(windows, span_start, span_start + span_nbytes)
@@ -172,7 +155,6 @@ def _add_pieces(placement: Placement, file, span_start: int, span_nbytes: int, d
                                   "runs" if runs_mode else "staged"))
 
 
-
 def _run_split(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Index k such that dims k.. form the innermost contiguous run (size-1 dims never break it)."""
     run, k = 1, len(shape)
@@ -182,10 +164,8 @@ def _run_split(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return k
 
 
-
 def _run_elements(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return math.prod(shape[_run_split(shape, stride):])
-
 
 
 def _inner_run_matches(shape: tuple[int, ...], src_stride: tuple[int, ...], dst_stride: tuple[int, ...]) -> bool:
@@ -199,14 +179,12 @@ def _inner_run_matches(shape: tuple[int, ...], src_stride: tuple[int, ...], dst_
     return True
 
 
-
 def _outer_offsets(shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
     """Element offsets of every index of the given (outer) dims, row-major, as an int64 tensor."""
     offsets = torch.zeros(1, dtype=torch.int64)
     for n, s in zip(shape, stride):
         offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s).reshape(-1)
     return offsets
-
 
 
 def direct_run_table(piece: Piece) -> torch.Tensor:
@@ -221,7 +199,6 @@ def direct_run_table(piece: Piece) -> torch.Tensor:
     table[:, 1] = dst * itemsize + piece.dest.data_ptr()
     table[:, 2] = run_bytes
     return table
-
 
 
 def staged_read_table(piece: Piece, staging_address: int, request_cost: int) -> torch.Tensor:
@@ -246,7 +223,6 @@ def staged_read_table(piece: Piece, staging_address: int, request_cost: int) -> 
     table[:, 1] = group_starts + staging_address
     table[:, 2] = group_ends - group_starts
     return table
-
 
 
 def split_to_budget(piece: Piece, budget: int) -> list[Piece]:

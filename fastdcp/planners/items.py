@@ -34,8 +34,6 @@ from ..io.gc import gc_paused
 from .structure import _PLAIN_TENSOR_TYPES
 
 
-
-
 class _SharedParts:
     """Equal pieces of plan items built once per plan: zero offsets per dimension count, sizes, chunks and
     tensor properties (also makes the pickled plans and ``.metadata`` smaller)."""
@@ -73,7 +71,6 @@ class _SharedParts:
         return props
 
 
-
 def _local_write_items(state_dict: Mapping[str, Any]) -> list[WriteItem]:
     """Stock ``create_default_local_save_plan``'s items, plain tensors built in bulk.
 
@@ -104,11 +101,9 @@ def _local_write_items(state_dict: Mapping[str, Any]) -> list[WriteItem]:
     return items
 
 
-
 def _item_bytes(item: WriteItem) -> int:
     """Planned storage of an item, as stock dedup counts it (objects count 1)."""
     return item.tensor_storage_size() or 1
-
 
 
 def _dedup_plans(all_items: list[list[WriteItem]], to_lowest_rank: bool) -> list[list[WriteItem]]:
@@ -152,9 +147,7 @@ def _dedup_plans(all_items: list[list[WriteItem]], to_lowest_rank: bool) -> list
     ]
 
 
-
 _SHARED_BYTES_METADATA = BytesStorageMetadata()
-
 
 
 def _global_plans_and_metadata(all_items: list[list[WriteItem]]) -> tuple[list[list[WriteItem]], dict[str, Any]]:
@@ -191,7 +184,6 @@ def _global_plans_and_metadata(all_items: list[list[WriteItem]]) -> tuple[list[l
     return new_all, md
 
 
-
 def _validate(global_plans: list[SavePlan], state_dict_metadata: dict[str, Any]) -> None:
     """Stock's global plan validation (chunk bounds, overlaps, coverage), skipping the tensors whose
     single chunk trivially covers them."""
@@ -215,7 +207,6 @@ def _validate(global_plans: list[SavePlan], state_dict_metadata: dict[str, Any])
         raise ValueError(f"Failed to validate global plan: {summary}" if summary else "Failed to validate global plan")
 
 
-
 def _fresh_metadata(cached: Metadata) -> Metadata:
     """A Metadata for one save: a new object with new top-level dicts (writers assign
     ``storage_data``/``storage_meta``/``version`` on it; users may get it back from ``dcp.save``)."""
@@ -224,7 +215,6 @@ def _fresh_metadata(cached: Metadata) -> Metadata:
         state_dict_metadata=dict(cached.state_dict_metadata),
         planner_data=dict(planner_data) if isinstance(planner_data, dict) else planner_data,
     )
-
 
 
 def _metadata_key(metadata: Metadata) -> tuple[Any, ...] | None:
@@ -248,7 +238,6 @@ def _metadata_key(metadata: Metadata) -> tuple[Any, ...] | None:
     except TypeError:
         return None  # unusual metadata (lists instead of torch.Size): no caching
     return result
-
 
 
 def _local_read_items(state_dict: Mapping[str, Any], metadata: Metadata, strict: bool) -> list[ReadItem]:

@@ -14,31 +14,20 @@ from typing import Any
 from ..io.gc import gc_paused
 
 
-
-
 # How many state-dict structures each cache remembers (LRU). A training job saving a model and an
 # optimizer as two checkpoints needs two; the bound keeps plans of long-gone structures from piling up.
 _CACHE_ENTRIES = 8
 
-
-
 _unpacked_lock = threading.Lock()
-
-
 
 # blob -> the items it holds: the lists this process sent or received, so that an unchanged plan
 # is unpickled once per structure, not once per save. A coordinator receives one blob per rank,
 # so the bound is in bytes (a 5,000-item plan pickles to ~0.5 MB), not in entries.
 _unpacked: OrderedDict[bytes, tuple[Any, ...]] = OrderedDict()
 
-
-
 _UNPACKED_MAX_BYTES = 256 << 20
 
-
-
 _unpacked_bytes = 0
-
 
 
 def _remember_blob(blob: bytes, items: tuple[Any, ...]) -> None:
@@ -51,7 +40,6 @@ def _remember_blob(blob: bytes, items: tuple[Any, ...]) -> None:
         while _unpacked_bytes > _UNPACKED_MAX_BYTES and len(_unpacked) > 1:
             dropped, _ = _unpacked.popitem(last=False)
             _unpacked_bytes -= len(dropped)
-
 
 
 def _unpack_items(blob: bytes) -> _PackedItems:
@@ -67,7 +55,6 @@ def _unpack_items(blob: bytes) -> _PackedItems:
     return _PackedItems(items, blob)
 
 
-
 def _invalidating(name: str):
     method = getattr(list, name)
 
@@ -77,7 +64,6 @@ def _invalidating(name: str):
 
     mutate.__name__ = name
     return mutate
-
 
 
 class _PackedItems(list):
@@ -111,7 +97,6 @@ class _PackedItems(list):
         if type(other) is not _PackedItems or self._blob is None or other._blob is None:
             return False
         return self._blob is other._blob or self._blob == other._blob
-
 
 
 for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
@@ -151,17 +136,11 @@ class _LruCache:
             self._entries.clear()
 
 
-
 _local_save_plans = _LruCache(_CACHE_ENTRIES)  # rank side: structure key -> _CachedLocalSavePlan
-
-
 
 _global_save_plans = _LruCache(_CACHE_ENTRIES)  # coordinator: id -> _CachedGlobalSavePlan
 
-
-
 _local_load_plans = _LruCache(_CACHE_ENTRIES)  # structure + metadata key -> _PackedItems
-
 
 
 def clear_plan_caches() -> None:

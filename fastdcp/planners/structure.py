@@ -20,15 +20,11 @@ from torch.distributed.tensor import DTensor
 from ..io.gc import gc_paused
 
 
-
-
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
 
 
 class _NeedsStock(Exception):
     """The state dict holds something only stock code handles exactly; take the stock path."""
-
 
 
 @dataclass
@@ -57,10 +53,8 @@ class _FlatStateDict:
         return mappings
 
 
-
 def _tensor_signature(value: torch.Tensor) -> tuple[Any, ...]:
     return (type(value), value.shape, value.dtype, value.layout, value.requires_grad, value.is_pinned())
-
 
 
 def _leaf_signature(value: Any, for_load: bool) -> tuple[Any, ...] | None:
@@ -110,9 +104,7 @@ def _leaf_signature(value: Any, for_load: bool) -> tuple[Any, ...] | None:
     return _OBJECT_SIGNATURE
 
 
-
 _OBJECT_SIGNATURE = ("object",)
-
 
 
 def _is_terminal(value: Any) -> bool:
@@ -127,7 +119,6 @@ def _is_terminal(value: Any) -> bool:
             if isinstance(entry, torch.Tensor):
                 return False
     return True
-
 
 
 def _flatten(state_dict: Mapping[Any, Any], *, flatten_sharded: bool, for_load: bool) -> _FlatStateDict:
@@ -182,7 +173,6 @@ def _flatten(state_dict: Mapping[Any, Any], *, flatten_sharded: bool, for_load: 
     return _FlatStateDict(flat, paths, signatures, dropped)
 
 
-
 def _describe(state_dict: Mapping[str, Any], mappings: Mapping[str, Any] | None, for_load: bool) -> _FlatStateDict:
     """The structure key of a state dict stock code already flattened (with its flatten mapping,
     which may name dropped ShardedTensors the state dict no longer holds)."""
@@ -195,11 +185,9 @@ def _describe(state_dict: Mapping[str, Any], mappings: Mapping[str, Any] | None,
     return _FlatStateDict(dict(state_dict), paths, signatures, dropped)
 
 
-
 def _legacy_flatten_active() -> bool:
     """Stock's flatten produces the pre-2.4 layout while ``_version._derived_version`` is set."""
     return getattr(_version, "_derived_version", None) is not None
-
 
 
 def _has_legacy_keys(original_state_dict: dict[str, Any], missing: set[str]) -> bool:
@@ -211,7 +199,6 @@ def _has_legacy_keys(original_state_dict: dict[str, Any], missing: set[str]) -> 
     finally:
         _version._derived_version = None  # as stock leaves it
     return bool(old_state_dict.keys() & missing)
-
 
 
 def _supported_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -22,12 +22,12 @@ import warnings
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..format.metadata import METADATA_NAME, RANK_METADATA_RE
 from ..io.checkpoint_files import load_metadata
 from ..io.gc import gc_paused
 from .crash_points import crash_point
 
 __all__ = [
-    "METADATA_NAME",
     "new_token",
     "owned_prefix",
     "unused_prefix",
@@ -36,33 +36,17 @@ __all__ = [
     "remove_unreferenced",
 ]
 
-
-METADATA_NAME = ".metadata"  # stock's _metadata_fn
-
-
-
 _TOKEN_HEX = 8
-
-
 
 # A prefix this writer generated: "__{rank}_{token}_". Only files under such a prefix are ever
 # removed after a failed save (they cannot belong to any other save: the token is checked unique).
 _OWNED_PREFIX_RE = re.compile(rf"^__(\d+)_([0-9a-f]{{{_TOKEN_HEX}}})_$")
 
-
-
 # Data files as stock (__{rank}_{i}.distcp) or fastdcp (__{rank}_{token}_{i}.distcp) name them.
 _DATA_FILE_RE = re.compile(rf"^__(\d+)_(?:[0-9a-f]{{{_TOKEN_HEX}}}_)?\d+{re.escape(DEFAULT_SUFFIX)}$")
 
-
-
 # Metadata temp files: stock's (.metadata.tmp, __{rank}.metadata.tmp) and ours (.{token}.tmp).
 _METADATA_TMP_RE = re.compile(rf"^(?:__(\d+))?\.metadata(?:\.[0-9a-f]{{{_TOKEN_HEX}}})?\.tmp$")
-
-
-
-_RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
-
 
 
 def new_token(directory: str) -> str:
@@ -77,7 +61,6 @@ def new_token(directory: str) -> str:
             return token
 
 
-
 def _fsync_directory(path: str) -> None:
     """Make the directory entries (data files, the renamed .metadata) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -87,13 +70,11 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-
 def _remove_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:
         pass  # best effort: the next successful save removes it
-
 
 
 def _referenced_files(path: str) -> set[str] | None:
@@ -198,7 +179,7 @@ def remove_unreferenced(directory: str, keep: set[str], rank: int | None) -> Non
     if rank_local:
         others = [METADATA_NAME] if METADATA_NAME in names else []
     else:
-        others = [n for n in names if _RANK_METADATA_RE.match(n)]
+        others = [n for n in names if RANK_METADATA_RE.match(n)]
     remove_data = True
     for name in others:
         refs = _referenced_files(os.path.join(directory, name))

@@ -22,18 +22,14 @@ from ..format.metadata import CHECKSUM_ATTRIBUTE
 
 __all__ = ["FilePlan", "round_up", "tensor_for_writing", "record_checksums", "UNLOADABLE_DTYPES"]
 
-
 _PAGE_ALIGNED_FROM_BYTES = 64 << 10
-
 
 
 def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-
 UNLOADABLE_DTYPES = frozenset(d for d in (getattr(torch, "quint4x2", None), getattr(torch, "quint2x4", None)) if d)
-
 
 
 @dataclass
@@ -88,7 +84,6 @@ class FilePlan:
         )
 
 
-
 def tensor_for_writing(tensor: torch.Tensor, keep_on_device: bool) -> torch.Tensor:
     """A contiguous tensor holding exactly the values to store (conj/neg views resolved): on the
     CPU, or, with ``keep_on_device``, on the device it is on (written through the ring)."""
@@ -102,7 +97,6 @@ def tensor_for_writing(tensor: torch.Tensor, keep_on_device: bool) -> torch.Tens
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     return tensor
-
 
 
 def record_checksums(engine: "_C.Engine", files: list[FilePlan]) -> None:

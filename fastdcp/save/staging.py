@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from ..format.blob import is_plain_dense
-from .device_ring import CudaCopier
 from ..io.host_memory import PAGE, HostSlab, allocate_slab
+from .device_ring import CudaCopier
 
 try:
     from torch.distributed.tensor import DTensor
