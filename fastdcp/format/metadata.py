@@ -397,7 +397,17 @@ def add_safe_metadata_globals(safe_globals: Mapping[str, Iterable[str]] | Iterab
         for module, names in safe_globals.items():
             if isinstance(names, str):
                 names = (names,)
+            elif not isinstance(names, Iterable):
+                raise TypeError(
+                    f"add_safe_metadata_globals: the names for module {module!r} must be a string or a "
+                    f"collection of strings, got {names!r}"
+                )
             pairs += [(module, name) for name in names]
+    elif isinstance(safe_globals, (str, bytes)):
+        raise TypeError(
+            f"add_safe_metadata_globals: expected a mapping {{module: names}} or a list of classes and "
+            f"functions, got the string {safe_globals!r}"
+        )
     else:
         pairs = []
         for obj in safe_globals:

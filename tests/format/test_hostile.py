@@ -438,6 +438,10 @@ def test_add_safe_metadata_globals_rejects_malformed_entries(user_globals):
         fastdcp.add_safe_metadata_globals([42])
     with pytest.raises(TypeError, match="module and name"):
         fastdcp.add_safe_metadata_globals({"": {"X"}})
+    with pytest.raises(TypeError, match="names for module 'my.module' must be"):
+        fastdcp.add_safe_metadata_globals({"my.module": 5})
+    with pytest.raises(TypeError, match="got the string 'my.module'"):
+        fastdcp.add_safe_metadata_globals("my.module")
     assert fmd._user_globals == {}
 
 
