@@ -74,15 +74,25 @@ void Engine::write(const std::vector<WriteJob>& jobs)
     size_t job;
     int64_t start, end;
   };
-  std::vector<Piece> pieces;
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    const auto& job = jobs[j];
+  const auto step = static_cast<int64_t>(task_bytes_);
+  size_t most_pieces = 0;
+  size_t total_pieces = 0;
+  for (const auto& job : jobs) {
     if (job.start % static_cast<int64_t>(kDirectAlign) != 0) {
       throw std::invalid_argument("write job start " + std::to_string(job.start) +
                                   " is not aligned for '" + job.file->path() + "'");
     }
-    for (int64_t s = job.start; s < job.end; s += static_cast<int64_t>(task_bytes_)) {
-      pieces.push_back({j, s, std::min(job.end, s + static_cast<int64_t>(task_bytes_))});
+    const size_t n = job.end > job.start ? static_cast<size_t>((job.end - job.start + step - 1) / step) : 0;
+    most_pieces = std::max(most_pieces, n);
+    total_pieces += n;
+  }
+  // Round-robin over jobs (see engine.hpp): workers taking tasks in order land on different files.
+  std::vector<Piece> pieces;
+  pieces.reserve(total_pieces);
+  for (size_t k = 0; k < most_pieces; ++k) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const int64_t s = jobs[j].start + static_cast<int64_t>(k) * step;
+      if (s < jobs[j].end) { pieces.push_back({j, s, std::min(jobs[j].end, s + step)}); }
     }
   }
   pool_.run_batch(pieces.size(), [&](size_t i, int worker) {

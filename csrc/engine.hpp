@@ -82,6 +82,9 @@ class Engine {
   [[nodiscard]] ThreadPool& pool() { return pool_; }
 
   /// Writes every job's region; blocks until all are written or the first error, which is thrown.
+  /// Tasks of different jobs are interleaved (task 0 of every job, then task 1, ...), so concurrent
+  /// workers write different files: tmpfs, buffered writes on ext4/xfs and NFS clients serialise
+  /// the writers of one file on its inode lock. Precondition: every job starts block-aligned.
   void write(const std::vector<WriteJob>& jobs);
   /// Reads every job; blocks until done or the first error, which is thrown.
   void read(const std::vector<ReadJob>& jobs, bool use_direct);

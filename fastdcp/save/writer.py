@@ -1,7 +1,8 @@
 """FastFileSystemWriter: stock DCP's file layout, written by the native engine.
 
-Each rank writes the files stock ``FileSystemWriter`` would (one per ``thread_count`` bucket, or one
-per item), each tensor as a complete ``torch.save``-compatible zip blob, so stock DCP reads the
+Each rank writes data files as stock ``FileSystemWriter`` does (one per ``thread_count`` bucket, or
+one per item; with ``thread_count`` left unset, one per engine thread: :mod:`fastdcp.save.file_split`),
+each tensor as a complete ``torch.save``-compatible zip blob, so stock DCP reads the
 result. What differs is how the bytes get there: the file is planned as an image (blob headers,
 tensor bytes at 4096-aligned offsets, blob trailers) and the engine writes it with parallel,
 O_DIRECT-capable positional writes straight from tensor memory, with no per-tensor ``torch.save``
@@ -29,7 +30,6 @@ import torch.distributed.checkpoint.filesystem as _stock_fs
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystemWriter,
-    _split_by_size_and_type,
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata
@@ -46,6 +46,7 @@ from .commit import commit_metadata, new_token, remove_partial_files, remove_unr
 from .crash_points import crash_point
 from .device_ring import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
+from .file_split import split_into_files
 from .staging import StateDictStager
 
 try:  # torch >= 2.7
@@ -76,7 +77,10 @@ class FastFileSystemWriter(FileSystemWriter):
 
     Takes stock's arguments with stock's meaning (``path, single_file_per_rank, sync_files,
     thread_count, per_thread_copy_ahead, cache_staged_state_dict, overwrite, _extensions,
-    serialization_format``); ``thread_count`` keeps stock's meaning of "files per rank". Items with
+    serialization_format``). An explicit ``thread_count`` keeps stock's meaning of "files per rank";
+    left unset (``None``), a rank's data is spread over one file per engine thread, none smaller
+    than 32 MiB (``fastdcp.save.file_split``): filesystems that serialise the writers of one file
+    (tmpfs, buffered ext4/xfs, NFS) then write in parallel. Items with
     ``_extensions`` transforms or a non-``torch_save`` serialization format are written by stock code.
 
     fastdcp's own keyword arguments:
@@ -103,7 +107,7 @@ class FastFileSystemWriter(FileSystemWriter):
         path: str | os.PathLike,
         single_file_per_rank: bool = True,
         sync_files: bool = True,
-        thread_count: int = 1,
+        thread_count: int | None = None,
         per_thread_copy_ahead: int = 10_000_000,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
@@ -116,12 +120,14 @@ class FastFileSystemWriter(FileSystemWriter):
         checksums: bool | None = None,
         memory_budget_bytes: int | None = None,
     ) -> None:
-        if not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
+        if thread_count is not None and (
+            not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1
+        ):
+            raise ValueError(f"thread_count must be a positive int or None, got {thread_count!r}")
         stock_kwargs: dict[str, Any] = dict(
             single_file_per_rank=single_file_per_rank,
             sync_files=sync_files,
-            thread_count=thread_count,
+            thread_count=1 if thread_count is None else thread_count,
             per_thread_copy_ahead=per_thread_copy_ahead,
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
@@ -138,6 +144,9 @@ class FastFileSystemWriter(FileSystemWriter):
         if unsupported:
             raise TypeError(f"this torch's FileSystemWriter does not support {unsupported}")
         super().__init__(path, **stock_kwargs)
+        # None: files per rank chosen by fastdcp.save.file_split (one per engine thread); stock's
+        # ``self.thread_count`` then reads 1, its default.
+        self.files_per_rank: int | None = thread_count
         self.io_options = IoOptions.resolve(
             direct_io=direct_io, default_direct_io=True, io_threads=io_threads, task_bytes=task_bytes
         )
@@ -260,10 +269,9 @@ class FastFileSystemWriter(FileSystemWriter):
             self._release_staging()
 
     def _write_data_fast(self, storage_plan: _StoragePrefix, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self.single_file_per_rank:
-            buckets = _split_by_size_and_type(self.thread_count, list(plan.items))
-        else:
-            buckets = [[item] for item in plan.items]
+        buckets = split_into_files(
+            list(plan.items), self.single_file_per_rank, self.files_per_rank, self.io_options.io_threads
+        )
 
         files: list[FilePlan] = []
         for i, bucket in enumerate(buckets):

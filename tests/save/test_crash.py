@@ -58,8 +58,17 @@ def _notes(path: Path) -> list[tuple[str, int | None]]:
     return out
 
 
-def _save_in_process(directory: Path, state: dict, kind: str = "fast", **kwargs) -> None:
-    writer = FastFileSystemWriter(directory, thread_count=2) if kind == "fast" else FileSystemWriter(directory, thread_count=2)
+# The automatic layout (thread_count unset: one file per engine thread, fastdcp.save.file_split)
+# with its smallest-file rule shrunk so that these few-MiB states spread over several files.
+SMALL_AUTO_FILE_BYTES = 1 << 19
+_SHRINK_AUTO_FILES = f"import fastdcp.save.file_split as split; split.AUTO_MIN_FILE_BYTES = {SMALL_AUTO_FILE_BYTES}"
+
+
+def _save_in_process(directory: Path, state: dict, kind: str = "fast", thread_count: int | None = 2, **kwargs) -> None:
+    if kind == "fast":
+        writer = FastFileSystemWriter(directory, thread_count=thread_count)
+    else:
+        writer = FileSystemWriter(directory, thread_count=thread_count or 1)
     dcp.save(state, storage_writer=writer, no_dist=True, **kwargs)
 
 
@@ -109,24 +118,36 @@ _CASES = (
     + [("overwrite", p) for p in PHASES]
     + [("overwrite-stock", p) for p in ("write", "commit", "cleanup_mid")]
     + [("overwrite-rank-local", p) for p in ("write", "commit", "cleanup_mid")]
+    + [("fresh-auto-files", p) for p in ("write", "sync", "commit")]
+    + [("overwrite-auto-files", p) for p in ("open", "write", "sync", "commit", "cleanup_mid")]
 )
 
 
 @pytest.mark.parametrize("mode,phase", _CASES, ids=[f"{m}-{p}" for m, p in _CASES])
-def test_sigkill_in_each_phase(zygote, tmp_path, mode, phase):
+def test_sigkill_in_each_phase(zygote, tmp_path, monkeypatch, mode, phase):
     """One SIGKILL exactly in ``phase`` of a fresh save or of a save over an existing checkpoint
-    (written by fastdcp, by stock DCP, or rank-local with ``use_collectives=False``)."""
+    (written by fastdcp, by stock DCP, rank-local with ``use_collectives=False``, or by fastdcp
+    with its automatic one-file-per-thread layout, then killed saving that layout again)."""
     directory = tmp_path / "ckpt"
     directory.mkdir()
     rank_local = mode == "overwrite-rank-local"
+    auto_files = mode.endswith("auto-files")
     save_kwargs = {"use_collectives": False} if rank_local else {}
+    thread_count = None if auto_files else 2
+    if auto_files:
+        monkeypatch.setattr("fastdcp.save.file_split.AUTO_MIN_FILE_BYTES", SMALL_AUTO_FILE_BYTES)
     old = None
-    if mode != "fresh":
+    if not mode.startswith("fresh"):
         old = 0
-        _save_in_process(directory, make_state(SEED, 0), kind="stock" if mode == "overwrite-stock" else "fast", **save_kwargs)
+        _save_in_process(
+            directory, make_state(SEED, 0), kind="stock" if mode == "overwrite-stock" else "fast",
+            thread_count=thread_count, **save_kwargs,
+        )
     notes, error_file = tmp_path / "notes", tmp_path / "error"
     pid = zygote.fork(
         {
+            "thread_count": thread_count,
+            "exec": _SHRINK_AUTO_FILES if auto_files else None,
             "dir": str(directory),
             "seed": SEED,
             "first": 1,
@@ -148,13 +169,16 @@ def test_sigkill_in_each_phase(zygote, tmp_path, mode, phase):
     candidates = {0: make_state(SEED, 0), 1: make_state(SEED, 1)}
     expected = 1 if phase in COMMITTED else old
     _assert_holds(directory, candidates, expected, f"killed in {phase!r} ({mode})")
-    if mode == "fresh" and phase not in COMMITTED:
+    if mode.startswith("fresh") and phase not in COMMITTED:
         assert _metadata_names(directory) == [], "a fresh save killed before its commit left a .metadata"
 
     # The next successful save cleans up whatever the killed one left.
-    _save_in_process(directory, make_state(SEED, 2), **save_kwargs)
+    _save_in_process(directory, make_state(SEED, 2), thread_count=thread_count, **save_kwargs)
     _assert_holds(directory, {2: make_state(SEED, 2)}, 2, "save after the kill")
     _assert_only_referenced_files(directory)
+    if auto_files:
+        data_files = [n for n in os.listdir(directory) if n.endswith(".distcp")]
+        assert len(data_files) > 2, f"the automatic layout wrote {data_files}: the case did not test several files"
 
 
 N_RANDOM_KILLS = 16
