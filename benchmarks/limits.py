@@ -4,7 +4,15 @@
   with `fio` when installed, else a Python probe: O_DIRECT `os.pwritev`/`os.preadv` from a few
   threads (they release the GIL) on page-aligned `mmap` buffers; where O_DIRECT is refused
   (EINVAL, e.g. some tmpfs) buffered I/O + fsync instead. The method used is reported.
-  Several (block size, threads) configurations are tried; the limit is the best of them.
+  Configurations tried: the configured (block size, threads) pairs on ONE file (the threads
+  share it), and for every block size those ONE FILE PER THREAD with 2, 4, 8 files (doubling
+  while it still gains >= 5%), since many filesystems serialise writers of one file on its
+  inode lock (tmpfs, buffered ext4/xfs, NFS clients): one file can show half of what the
+  storage takes from several. The limit is the best run; which one (files, threads, block,
+  method) is reported (`StorageLimit.method`, `write_best`, `read_best`, `runs`).
+  Writes fsync every file inside the timed region; reads are cold where the filesystem allows
+  it: O_DIRECT, else posix_fadvise(DONTNEED) of every (clean, fsynced) file first. On tmpfs the
+  data lives in the page cache, so its "read" is a copy out of memory.
 * memory copy: torch `copy_`, numpy `copyto` and `ctypes.memmove` from 1 and N threads on
   large buffers; the limit is the best method (GiB/s of bytes copied).
 * GPU (when available): pinned host <-> device copy bandwidth.
@@ -22,7 +30,7 @@ import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -30,6 +38,15 @@ import torch
 from .pagecache import fs_info
 
 GIB = float(1 << 30)
+MIB = 1 << 20
+PROBE_NAME = ".bench_probe.bin"
+MAX_PROBE_FILES = 8       # most files (= threads) of a multi-file probe run
+FILE_LADDER = (2, 4, 8)   # files per multi-file run, doubled while a step still gains
+LADDER_GAIN = 1.05        # ... at least this factor on write or read over the smaller counts
+
+
+def _fmt_block(block: int) -> str:
+    return f"{block // MIB} MiB" if block >= MIB and block % MIB == 0 else f"{block // 1024} KiB"
 
 
 @dataclass
@@ -39,6 +56,11 @@ class ProbeRun:
     threads: int
     method: str
     gibps: float
+    files: int = 1     # 1: the threads share one file; N (= threads): one file per thread
+
+    def describe(self) -> str:
+        return (f"{self.method} {_fmt_block(self.block)} x{self.threads} thread{'s' * (self.threads > 1)}, "
+                f"{self.files} file{'s' * (self.files > 1)}")
 
 
 @dataclass
@@ -52,6 +74,8 @@ class StorageLimit:
     page_cache_read_gibps: float | None
     runs: list[ProbeRun] = field(default_factory=list)
     note: str = ""
+    write_best: ProbeRun | None = None   # the run that set write_gibps
+    read_best: ProbeRun | None = None    # the run that set read_gibps
 
 
 @dataclass
@@ -84,6 +108,65 @@ class Limits:
         return asdict(self)
 
 
+# --------------------------------------------------------------------------- shared by both probes
+
+def probe_paths(path: str, files: int) -> list[str]:
+    """The file(s) of one probe run: `path` itself for one file, else `<stem>.<i><ext>` beside it
+    (the names fio's `filename_format=<stem>.$jobnum<ext>` gives its jobs)."""
+    if files <= 1:
+        return [path]
+    root, ext = os.path.splitext(path)
+    return [f"{root}.{i}{ext}" for i in range(files)]
+
+
+def _remove(paths: list[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def _run_size(nbytes: int, block: int, threads: int) -> int:
+    """Bytes of one run: `nbytes` rounded down to whole blocks per thread (at least one each)."""
+    return max(1, nbytes // (block * threads)) * block * threads
+
+
+def file_ladder(nbytes: int, block: int) -> list[int]:
+    """File (= thread) counts a multi-file run may use at `block`: each file gets a whole block."""
+    return [f for f in FILE_LADDER if f <= MAX_PROBE_FILES and nbytes // (block * f) >= 1]
+
+
+Pair = Callable[[int, int, int], "tuple[ProbeRun, ProbeRun]"]  # (block, threads, files) -> write, read
+
+
+def _multi_file_runs(nbytes: int, configs: list[tuple[int, int]], pair: Pair) -> list[ProbeRun]:
+    """One file per thread, for every configured block size: 2 and 4 files, then doubling while
+    the last step gained >= LADDER_GAIN on write or read over the smaller counts."""
+    runs: list[ProbeRun] = []
+    for block in sorted({b for b, _ in configs}, reverse=True):
+        best_w = best_r = 0.0
+        for files in file_ladder(nbytes, block):
+            w, r = pair(block, files, files)
+            runs += [w, r]
+            gained = w.gibps >= best_w * LADDER_GAIN or r.gibps >= best_r * LADDER_GAIN
+            best_w, best_r = max(best_w, w.gibps), max(best_r, r.gibps)
+            if files >= 4 and not gained:
+                break
+    return runs
+
+
+def best_run(runs: list[ProbeRun], op: str) -> ProbeRun:
+    return max((r for r in runs if r.op == op), key=lambda r: r.gibps)
+
+
+def _describe_best(runs: list[ProbeRun]) -> str:
+    parts = [f"{op}: {best_run(runs, op).describe()}" for op in ("write", "read")]
+    writes = [r for r in runs if r.op == "write"]
+    one = sum(r.files == 1 for r in writes)
+    return "; ".join(parts) + f" (best of {len(writes)} configs: {one} one-file, {len(writes) - one} multi-file)"
+
+
 # --------------------------------------------------------------------------- python probe
 
 def _aligned_buffer(size: int) -> mmap.mmap:
@@ -104,27 +187,52 @@ def _open(path: str, flags: int, direct: bool) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
+def _open_write(path: str, direct: bool) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd, direct = _open(path, flags, direct)
+    if direct:  # some filesystems accept O_DIRECT at open and refuse it at the first I/O
+        try:
+            os.pwritev(fd, [_aligned_buffer(4096)], 0)
+        except OSError as e:
+            os.close(fd)
+            if e.errno != errno.EINVAL:
+                raise
+            fd, direct = _open(path, flags, False)
+    return fd, direct
+
+
 def _buffers(block: int, threads: int, fill: bool) -> list[mmap.mmap]:
     return [_aligned_buffer(block) if fill else mmap.mmap(-1, block) for _ in range(threads)]
 
 
-def _run_threads(fd: int, nbytes: int, bufs: list[mmap.mmap], write: bool) -> float:
-    """Each thread moves its contiguous 1/len(bufs) of [0, nbytes) with its buffer; returns seconds."""
+def _run_threads(fds: list[int], nbytes: int, bufs: list[mmap.mmap], write: bool,
+                 fsync: bool = False) -> float:
+    """Move `nbytes` with one thread per buffer; returns seconds (fsync included when asked).
+
+    One fd: thread i moves the contiguous i-th 1/len(bufs) of [0, nbytes) of the shared file,
+    then the file is fsynced once. One fd per thread: thread i moves [0, nbytes/len(bufs)) of
+    its own file and fsyncs it, as a writer of one file per thread would."""
     threads = len(bufs)
+    if len(fds) not in (1, threads):
+        raise ValueError(f"{len(fds)} files for {threads} threads")
+    shared = len(fds) == 1
     per = nbytes // threads
     errors: list[BaseException] = []
     start = threading.Barrier(threads + 1)
 
     def worker(i: int) -> None:
-        buf = bufs[i]
+        buf, fd = bufs[i], fds[0 if shared else i]
         start.wait()
         try:
-            off, end = i * per, (i + 1) * per
+            off = i * per if shared else 0
+            end = off + per
             while off < end:
                 n = os.pwritev(fd, [buf], off) if write else os.preadv(fd, [buf], off)
                 if n <= 0:
                     raise OSError(f"short {'write' if write else 'read'} at {off}")
                 off += n
+            if fsync and not shared:
+                os.fsync(fd)
         except BaseException as e:  # surfaced below
             errors.append(e)
 
@@ -135,43 +243,50 @@ def _run_threads(fd: int, nbytes: int, bufs: list[mmap.mmap], write: bool) -> fl
     start.wait()
     for t in ts:
         t.join()
+    if fsync and shared and not errors:
+        os.fsync(fds[0])
     dt = time.perf_counter() - t0
     if errors:
         raise errors[0]
     return dt
 
 
-def _python_write(path: str, nbytes: int, block: int, threads: int, direct: bool) -> tuple[float, bool]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fd, direct = _open(path, flags, direct)
+def _python_write(paths: list[str], nbytes: int, block: int, threads: int,
+                  direct: bool) -> tuple[float, bool]:
+    """Write `nbytes` in all to `paths` (one shared file, or one per thread) and fsync each,
+    timed together. Returns (GiB/s, whether every file was written with O_DIRECT)."""
+    fds: list[int] = []
+    modes: list[bool] = []
     try:
-        if direct:  # some filesystems accept O_DIRECT at open and refuse it at the first I/O
-            try:
-                os.pwritev(fd, [_aligned_buffer(4096)], 0)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                os.close(fd)
-                fd, direct = _open(path, flags, False)
-        bufs = _buffers(block, threads, fill=True)
-        dt = _run_threads(fd, nbytes, bufs, write=True)
-        t0 = time.perf_counter()
-        os.fsync(fd)
-        dt += time.perf_counter() - t0
+        for p in paths:
+            fd, d = _open_write(p, direct)
+            fds.append(fd)
+            modes.append(d)
+        dt = _run_threads(fds, nbytes, _buffers(block, threads, fill=True), write=True, fsync=True)
     finally:
-        os.close(fd)
-    return nbytes / dt / GIB, direct
+        for fd in fds:
+            os.close(fd)
+    return nbytes / dt / GIB, all(modes)
 
 
-def _python_read(path: str, nbytes: int, block: int, threads: int, direct: bool) -> tuple[float, bool]:
-    fd, direct = _open(path, os.O_RDONLY, direct)
+def _python_read(paths: list[str], nbytes: int, block: int, threads: int,
+                 direct: bool) -> tuple[float, bool]:
+    """Read back what `_python_write` wrote, cold: O_DIRECT, else after evicting each file from
+    the page cache (its pages are clean: the write fsynced them)."""
+    fds: list[int] = []
+    modes: list[bool] = []
     try:
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # best effort: read the device
-        dt = _run_threads(fd, nbytes, _buffers(block, threads, fill=False), write=False)
+        for p in paths:
+            fd, d = _open(p, os.O_RDONLY, direct)
+            fds.append(fd)
+            modes.append(d)
+            if not d:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # best effort: read the device
+        dt = _run_threads(fds, nbytes, _buffers(block, threads, fill=False), write=False)
     finally:
-        os.close(fd)
-    return nbytes / dt / GIB, direct
+        for fd in fds:
+            os.close(fd)
+    return nbytes / dt / GIB, all(modes)
 
 
 def _page_cache_read(path: str, nbytes: int, block: int = 8 << 20) -> float:
@@ -179,101 +294,142 @@ def _page_cache_read(path: str, nbytes: int, block: int = 8 << 20) -> float:
     fd = os.open(path, os.O_RDONLY)
     try:
         bufs = _buffers(block, 1, fill=False)
-        _run_threads(fd, nbytes, bufs, write=False)  # populate
-        return nbytes / _run_threads(fd, nbytes, bufs, write=False) / GIB
+        _run_threads([fd], nbytes, bufs, write=False)  # populate
+        return nbytes / _run_threads([fd], nbytes, bufs, write=False) / GIB
     finally:
         os.close(fd)
 
 
-def _probe_python(path: str, nbytes: int, configs: list[tuple[int, int]]) -> tuple[list[ProbeRun], str]:
+def _python_pair(path: str, nbytes: int, block: int, threads: int, files: int,
+                 direct: bool) -> tuple[ProbeRun, ProbeRun]:
+    """Write then read back one configuration; multi-file runs remove their files."""
+    size = _run_size(nbytes, block, threads)
+    paths = probe_paths(path, files)
+    try:
+        w, wd = _python_write(paths, size, block, threads, direct)
+        r, rd = _python_read(paths, size, block, threads, direct)
+    finally:
+        if files > 1:
+            _remove(paths)
+    wm = "python O_DIRECT" if wd else "python buffered+fsync"
+    rm = "python O_DIRECT" if rd else "python buffered (fadvise DONTNEED first)"
+    return ProbeRun("write", block, threads, wm, w, files), ProbeRun("read", block, threads, rm, r, files)
+
+
+def _probe_python(path: str, nbytes: int, configs: list[tuple[int, int]],
+                  tmpfs: bool = False) -> tuple[list[ProbeRun], list[str]]:
     runs: list[ProbeRun] = []
-    for block, threads in configs:
-        size = nbytes // (block * threads) * block * threads
-        w, wd = _python_write(path, size, block, threads, direct=True)
-        r, rd = _python_read(path, size, block, threads, direct=True)
-        wm = "python O_DIRECT" if wd else "python buffered+fsync"
-        rm = "python O_DIRECT" if rd else "python buffered"
-        runs += [ProbeRun("write", block, threads, wm, w), ProbeRun("read", block, threads, rm, r)]
-    # Buffered I/O can beat O_DIRECT at low queue depth (kernel writeback / readahead): the
-    # limit is the best way the device can be driven, so try it too (write+fsync; cold read).
+    for block, threads in configs:  # one file shared by the threads
+        runs += _python_pair(path, nbytes, block, threads, 1, direct=True)
+    direct = any(r.method == "python O_DIRECT" for r in runs)
+    _remove([path])  # not needed until the last run; keep tmpfs from holding two copies
+
+    runs += _multi_file_runs(nbytes, configs,
+                             lambda b, t, f: _python_pair(path, nbytes, b, t, f, direct=True))
+    # Buffered I/O can beat O_DIRECT (kernel writeback / readahead): the limit is the best way
+    # the device can be driven, so try it too (write+fsync; cold read), on one file at the
+    # largest block, and with one file per thread, as many files as the best multi-file run
+    # (write or read) at that block. tmpfs does O_DIRECT through its page cache, i.e. the same
+    # path as buffered I/O: there the one-file buffered run is kept only to leave `path`.
     block = max(b for b, _ in configs)
-    size = nbytes // block * block
-    w, _ = _python_write(path, size, block, 1, direct=False)
-    r, _ = _python_read(path, size, block, 1, direct=False)
-    runs += [ProbeRun("write", block, 1, "python buffered+fsync", w),
-             ProbeRun("read", block, 1, "python buffered (fadvise DONTNEED first)", r)]
-    return runs, _describe_best(runs)
-
-
-def _describe_best(runs: list[ProbeRun]) -> str:
-    parts = []
-    for op in ("write", "read"):
-        b = max((x for x in runs if x.op == op), key=lambda x: x.gibps)
-        parts.append(f"{op}: {b.method} {b.block >> 20} MiB x{b.threads}")
-    return "; ".join(parts) + f" (best of {len(runs) // 2} configs)"
+    if direct and not tmpfs:
+        multi = [r for r in runs if r.files > 1 and r.block == block]
+        if multi:
+            files = max(multi, key=lambda r: r.gibps).files
+            runs += _python_pair(path, nbytes, block, files, files, direct=False)
+    runs += _python_pair(path, nbytes, block, 1, 1, direct=False)  # last: leaves `path`
+    return runs, []
 
 
 # --------------------------------------------------------------------------- fio probe
 
-def _fio(path: str, nbytes: int, block: int, threads: int, rw: str, direct: bool) -> float:
+def fio_command(path: str, nbytes: int, block: int, threads: int, rw: str, direct: bool,
+                files: int = 1) -> list[str]:
+    """fio command line of one probe run: `threads` jobs (psync, `block` requests) moving
+    `nbytes` in all, reported as one group. files=1: the jobs share `path`, each at its own
+    offset; files=threads: each job has its own file (`probe_paths(path, threads)`).
+    Writes fsync every file at the end (end_fsync); buffered reads drop the files' pages first
+    (invalidate). fallocate=none: the files are written, not preallocated, as a writer would."""
+    if files not in (1, threads):
+        raise ValueError(f"files must be 1 or threads ({threads}), not {files}")
     per = nbytes // threads // block * block
-    cmd = ["fio", "--name=probe", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
-           f"--size={per}", f"--numjobs={threads}", f"--offset_increment={per}",
-           f"--direct={1 if direct else 0}", "--ioengine=psync", "--group_reporting",
-           "--output-format=json"]
-    if rw == "write":
-        cmd.append("--end_fsync=1")
+    if files == 1:
+        where = [f"--filename={path}", f"--offset_increment={per}"]
     else:
-        cmd.append("--invalidate=1")
+        root, ext = os.path.splitext(os.path.basename(path))
+        where = [f"--directory={os.path.dirname(path) or '.'}", f"--filename_format={root}.$jobnum{ext}",
+                 "--nrfiles=1"]
+    cmd = ["fio", "--name=probe", *where, f"--rw={rw}", f"--bs={block}", f"--size={per}",
+           f"--numjobs={threads}", f"--direct={1 if direct else 0}", "--ioengine=psync",
+           "--fallocate=none", "--group_reporting", "--output-format=json"]
+    cmd.append("--end_fsync=1" if rw == "write" else "--invalidate=1")
+    return cmd
+
+
+def _fio(path: str, nbytes: int, block: int, threads: int, rw: str, direct: bool, files: int = 1) -> float:
+    cmd = fio_command(path, nbytes, block, threads, rw, direct, files)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     text = out.stdout[out.stdout.index("{"):]  # fio may print notes before the JSON
-    job = json.loads(text)["jobs"][0][rw]
+    job = json.loads(text)["jobs"][0][rw]  # group_reporting: one entry for all the jobs
     return float(job["bw_bytes"]) / GIB
 
 
-def _probe_fio(path: str, nbytes: int, configs: list[tuple[int, int]]) -> tuple[list[ProbeRun], str]:
+def _fio_pair(path: str, nbytes: int, block: int, threads: int, files: int) -> tuple[ProbeRun, ProbeRun]:
+    out = []
+    for rw in ("write", "read"):
+        try:
+            g, m = _fio(path, nbytes, block, threads, rw, True, files), "fio direct=1"
+        except (subprocess.CalledProcessError, ValueError, KeyError):
+            g, m = _fio(path, nbytes, block, threads, rw, False, files), \
+                ("fio direct=0 end_fsync=1" if rw == "write" else "fio direct=0")
+        out.append(ProbeRun(rw, block, threads, m, g, files))
+    return out[0], out[1]
+
+
+def _probe_fio(path: str, nbytes: int, configs: list[tuple[int, int]]) -> tuple[list[ProbeRun], list[str]]:
     runs: list[ProbeRun] = []
     for block, threads in configs:
-        for rw in ("write", "read"):
-            try:
-                g, m = _fio(path, nbytes, block, threads, rw, True), "fio direct=1"
-            except (subprocess.CalledProcessError, ValueError, KeyError):
-                g, m = _fio(path, nbytes, block, threads, rw, False), \
-                    ("fio direct=0 end_fsync=1" if rw == "write" else "fio direct=0")
-            runs.append(ProbeRun(rw, block, threads, m, g))
-    return runs, _describe_best(runs)
+        runs += _fio_pair(path, nbytes, block, threads, 1)
+    notes: list[str] = []
+    try:
+        runs += _multi_file_runs(nbytes, configs, lambda b, t, f: _fio_pair(path, nbytes, b, t, f))
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
+        notes.append(f"fio multi-file runs failed ({type(e).__name__}: {e}); limit from one-file runs")
+    finally:
+        _remove(probe_paths(path, MAX_PROBE_FILES))
+    return runs, notes
 
 
 # --------------------------------------------------------------------------- public API
 
 def probe_storage(where_dir: str, nbytes: int, configs: list[tuple[int, int]],
                   method: str = "auto") -> StorageLimit:
-    """Sequential write (with fsync) and read bandwidth of the filesystem holding `where_dir`."""
+    """Sequential write (with fsync) and cold read bandwidth of the filesystem holding
+    `where_dir`: the best of one-file and one-file-per-thread runs (see the module doc)."""
     info = fs_info(where_dir)
-    path = os.path.join(where_dir, ".bench_probe.bin")
+    path = os.path.join(where_dir, PROBE_NAME)
     use_fio = method == "fio" or (method == "auto" and shutil.which("fio") is not None)
-    note = ""
+    notes: list[str] = []
     try:
         if use_fio:
             try:
-                runs, how = _probe_fio(path, nbytes, configs)
+                runs, notes = _probe_fio(path, nbytes, configs)
             except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
-                note = f"fio failed ({type(e).__name__}: {e}); used the python probe"
-                runs, how = _probe_python(path, nbytes, configs)
+                notes = [f"fio failed ({type(e).__name__}: {e}); used the python probe"]
+                runs, more = _probe_python(path, nbytes, configs, info.is_tmpfs)
+                notes += more
         else:
-            runs, how = _probe_python(path, nbytes, configs)
-        size = os.path.getsize(path)
+            runs, notes = _probe_python(path, nbytes, configs, info.is_tmpfs)
+        size = os.path.getsize(path) if os.path.exists(path) else 0
         pcr = _page_cache_read(path, size) if size else None
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        _remove(probe_paths(path, 1) + probe_paths(path, MAX_PROBE_FILES))
     if info.is_tmpfs:
-        note = (note + "; " if note else "") + (
-            "tmpfs: 'device' bandwidth is writing new pages of a memory filesystem (page allocation + copy)")
-    best = lambda op: max(r.gibps for r in runs if r.op == op)  # noqa: E731
-    return StorageLimit(path=info.path, fstype=info.fstype, method=how, bytes=nbytes,
-                        write_gibps=best("write"), read_gibps=best("read"),
-                        page_cache_read_gibps=pcr, runs=runs, note=note)
+        notes.append("tmpfs: 'device' bandwidth is writing new pages of a memory filesystem (page allocation + copy)")
+    w, r = best_run(runs, "write"), best_run(runs, "read")
+    return StorageLimit(path=info.path, fstype=info.fstype, method=_describe_best(runs), bytes=nbytes,
+                        write_gibps=w.gibps, read_gibps=r.gibps, page_cache_read_gibps=pcr, runs=runs,
+                        note="; ".join(notes), write_best=w, read_best=r)
 
 
 def _best_time(fn, rounds: int) -> float:
@@ -311,7 +467,7 @@ def memcpy_bandwidth(nbytes: int, rounds: int = 3) -> dict[str, float]:
     }
     if ncpu > 1:
         out[f"memmove ({ncpu} threads)"] = _best_time(lambda: memmove_threads(ncpu), rounds)
-    del src, dst
+    src = dst = None  # release (not `del`: the lambdas above close over them)
     return {k: nbytes / v / GIB for k, v in out.items()}
 
 
@@ -331,7 +487,7 @@ def pinned_bandwidth(nbytes: int, rounds: int = 3) -> tuple[float, float] | None
         torch.cuda.synchronize()
 
     res = (nbytes / _best_time(h2d, rounds) / GIB, nbytes / _best_time(d2h, rounds) / GIB)
-    del host, dev
+    host = dev = None  # release before empty_cache (the closures above hold them)
     torch.cuda.empty_cache()
     return res
 
