@@ -1,17 +1,20 @@
-"""fastdcp benchmark suite: fastdcp vs stock torch.distributed.checkpoint storage.
+"""fastdcp benchmark suite: fastdcp vs stock torch.distributed.checkpoint storage and peers.
 
 Run `python -m benchmarks --quick` (a few minutes) or `python -m benchmarks` (full, 2 GiB);
 `python -m benchmarks --help` lists the options. Modules:
 
 * config     command line -> BenchConfig
 * systems    the compared systems (stock, stock_best, fastdcp, fastdcp_planners)
+* peers      other checkpointing methods in the save/load loops, each optional (torch_save,
+             safetensors, torchsnapshot, nvrx_async = nvidia-resiliency-ext as Megatron drives it)
 * floor      DCP's own cost without storage: no-I/O StorageWriter/StorageReader
 * state      synthetic LLM-like state dicts, load targets, bit-exact verification
 * limits     raw storage / memory-copy / pinned-copy bandwidth probes
 * pagecache  cold/warm page cache control, filesystem facts
 * machine    machine facts
-* scenarios  single-process scenarios (save, load, small + DCP floor, async + bare copy,
-             gpu_save, gpu_load, gpu_async, --checkpoint)
+* scenarios  single-process scenarios (save, load, small + DCP floor, async + bare copy with one
+             writer reused or a new writer per save (async_new_writer), gpu_save, gpu_load,
+             gpu_async, --checkpoint)
 * reshard    multi-process DTensor resharding scenario (gloo)
 * results    result records, medians, ratios, fractions of the limits
 * report     terminal table, JSON, plot

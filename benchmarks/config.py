@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .peers import PEER_NAMES
 from .systems import SYSTEM_NAMES, standin_requested
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-CPU_SCENARIOS = ("save", "load", "reshard", "small", "async")
+CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async")
 ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS
-QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async")
+QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer")
+ASYNC_SCENARIOS = ("async", "async_new_writer", "gpu_async")
 ASYNC_MODES = ("thread", "process")
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
@@ -45,6 +47,7 @@ class BenchConfig:
     shm: bool = True                        # also benchmark /dev/shm when present
     scenarios: list[str] = field(default_factory=lambda: list(CPU_SCENARIOS))
     systems: list[str] = field(default_factory=lambda: list(SYSTEM_NAMES))
+    peers: list[str] = field(default_factory=lambda: list(PEER_NAMES))   # run when importable
     repeats: int = 3
     json_path: str | None = None
     plot_path: str | None = None
@@ -84,16 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="fastdcp vs stock torch.distributed.checkpoint storage benchmarks. "
                     "Every load is verified bit-exact; a mismatch exits with status 3.")
     p.add_argument("--quick", action="store_true",
-                   help="scenarios save,load,reshard,small,async (+gpu_* with CUDA) at 256MiB, 2 repeats, "
-                        "reshard on /dev/shm only at 64MiB, small and async on --dir only, async in "
-                        "thread mode only (~2.5 min on 2 cores)")
+                   help="scenarios save,load,reshard,small,async,async_new_writer (+gpu_* with CUDA) at "
+                        "256MiB, 2 repeats, reshard on /dev/shm only at 64MiB, small and async* on --dir "
+                        "only, async* in thread mode only (~2.5 min on 2 cores)")
     p.add_argument("--size", type=parse_size, help="state dict size (default 2GiB, quick 256MiB)")
     p.add_argument("--dir", help="directory on the storage to test; a temp dir is made inside it "
                                  "and removed afterwards (default ./bench_out)")
     p.add_argument("--no-shm", action="store_true", help="do not benchmark /dev/shm as well")
     p.add_argument("--scenarios", type=_csv,
                    help=f"comma list from {','.join(ALL_SCENARIOS)} (gpu_* need CUDA)")
-    p.add_argument("--systems", type=_csv, help=f"comma list from {','.join(SYSTEM_NAMES)} (default all)")
+    p.add_argument("--systems", type=_csv,
+                   help=f"comma list from {','.join(SYSTEM_NAMES)} (default all); peer names "
+                        f"({','.join(PEER_NAMES)}) may be listed here too. With --systems and no "
+                        f"--peers, only the peers listed here run")
+    p.add_argument("--peers", type=_csv,
+                   help=f"peers in the save (and load) scenarios: comma list from {','.join(PEER_NAMES)}, "
+                        f"or 'none' (default: all, each run when importable, else a note says how to "
+                        f"install it; pip install -e .[bench] installs them)")
     p.add_argument("--repeats", type=int, help="runs per system and case, interleaved (default 3, quick 2)")
     p.add_argument("--json", dest="json_path", help="write results as JSON here")
     p.add_argument("--plot", dest="plot_path", help="write a bar chart (PNG) here; needs matplotlib")
@@ -116,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async_save executors: thread,process (default both; quick: thread). "
                         "process mode needs a process group: a 1-rank gloo group is started")
     p.add_argument("--async-saves", type=int,
-                   help="async saves per system and mode, one writer object reused "
+                   help="async saves per system and mode: `async` reuses one writer object, "
+                        "`async_new_writer` makes a new one per save "
                         "(default --repeats + 1; the first is reported separately)")
     p.add_argument("--reshard-size", type=parse_size,
                    help="state size for `reshard` (default --size; quick: --size/4 with 32 instead "
@@ -169,10 +180,17 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
             parser.error(f"unknown scenario(s) {bad}; choose from {','.join(ALL_SCENARIOS)}")
         c.scenarios = a.scenarios
     if a.systems:
-        bad = [s for s in a.systems if s not in SYSTEM_NAMES]
+        bad = [s for s in a.systems if s not in SYSTEM_NAMES and s not in PEER_NAMES]
         if bad:
-            parser.error(f"unknown system(s) {bad}; choose from {','.join(SYSTEM_NAMES)}")
-        c.systems = a.systems
+            parser.error(f"unknown system(s) {bad}; choose from {','.join(SYSTEM_NAMES + PEER_NAMES)}")
+        c.systems = [s for s in a.systems if s in SYSTEM_NAMES]
+        c.peers = [s for s in a.systems if s in PEER_NAMES]
+    if a.peers:
+        wanted = [] if [p.lower() for p in a.peers] == ["none"] else a.peers
+        bad = [s for s in wanted if s not in PEER_NAMES]
+        if bad:
+            parser.error(f"unknown peer(s) {bad}; choose from {','.join(PEER_NAMES)} or 'none'")
+        c.peers = [] if not wanted else list(dict.fromkeys((c.peers if a.systems else []) + wanted))
     if a.repeats is not None:
         if a.repeats < 1:
             parser.error("--repeats must be >= 1")
@@ -210,5 +228,6 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if a.scenarios and a.scenarios != ["load"]:
             parser.error("--checkpoint runs the load scenario only")
         c.scenarios = ["load"]
+        c.peers = []    # a user's DCP checkpoint: the DCP readers only
         c.shm = False  # nothing is written; /dev/shm would only be probed
     return c

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .limits import Limits
+from .peers import PEER_SCENARIOS
 from .results import SYSTEM_SPECIFIC_KEYS, Result
 
 LIMIT_POLICY = (
@@ -21,6 +22,12 @@ LIMIT_POLICY = (
 UNITS = ("GiB/s = tensor payload bytes / wall time (GiB = 2^30); median [min-max] over repeats. "
          "run=1st: a system's first save/load in that case (first use of its writer/planner "
          "objects), run=2nd+: the later ones.")
+PEER_POLICY = (
+    "peers: torch_save, safetensors, torchsnapshot, nvrx_async (nvidia-resiliency-ext as "
+    "Megatron-Core drives it) run in the same interleaved save loop (and load loop where they "
+    "have a load) on the same state, each save ending with the fsync of its files and directory; "
+    "'fastdcp vs best peer' = fastdcp's median GiB/s / the fastest peer's, stock_best "
+    "(FileSystemWriter(thread_count=4)) counting as a peer.")
 BASELINE_POLICY = (
     "vs floor/bare: small -> median seconds above DCP's floor (dcp_floor: the same dcp.save/load "
     "with a storage that does no I/O, DCP's default planners; dcp_floor_planners: with "
@@ -56,7 +63,7 @@ def header_lines(machine: dict[str, Any], limits: Limits | None, cold_method: st
     lines.append(f"cold page cache: {cold_method or 'not available: warm only'}"
                  + (" (global, after os.sync)" if cold_method == "drop_caches" else
                     " (per file, after os.sync)" if cold_method == "fadvise_dontneed" else ""))
-    lines += [LIMIT_POLICY, UNITS, BASELINE_POLICY]
+    lines += [LIMIT_POLICY, UNITS, BASELINE_POLICY, PEER_POLICY]
     lines += [f"NOTE: {n}" for n in notes]
     if standin:
         lines.append("WARNING: 'fastdcp' IS A STAND-IN (stock FileSystemWriter/Reader): "
@@ -146,6 +153,30 @@ def summary_lines(results: list[Result]) -> list[str]:
     return ["floors and baselines (medians):", *out] if out else []
 
 
+def peer_lines(results: list[Result]) -> list[str]:
+    """Per save/load case: each fastdcp system's median GiB/s against the fastest peer (stock_best
+    counts as one), next to its ratio to stock, then every peer's median, fastest first."""
+    out: list[str] = []
+    cases: dict[tuple, list[Result]] = {}
+    for r in results:
+        if r.scenario in PEER_SCENARIOS and r.config.get("ckpt_writer", r.system) == r.system:
+            cases.setdefault(r.case_key(), []).append(r)
+    for rs in cases.values():
+        some = rs[0]
+        mine = [r for r in rs if r.system.startswith("fastdcp") and r.ratio_vs_best_peer is not None]
+        peers = sorted((r for r in rs if r.is_peer and r.gibps), key=lambda r: -r.gibps)
+        if not mine or not peers:
+            continue
+        parts = [f"{r.system} {r.gibps:.2f} GiB/s = {r.ratio_vs_best_peer:.2f}x best peer {r.best_peer} "
+                 f"({r.best_peer_gibps:.2f} GiB/s)" + (f", {r.ratio_vs_stock:.2f}x stock"
+                                                       if r.ratio_vs_stock is not None else "")
+                 for r in mine]
+        label = ",".join(f"{k}={v}" for k, v in some.config.items() if k not in SYSTEM_SPECIFIC_KEYS)
+        out.append(f"  {some.scenario} {label} {some.where}: " + "; ".join(parts)
+                   + " | peers: " + ", ".join(f"{r.system} {r.gibps:.2f}" for r in peers))
+    return ["fastdcp vs best peer (median GiB/s; stock_best counts as a peer):", *out] if out else []
+
+
 def _with_phase(r: Result, phase: str) -> tuple:
     cfg = {k: v for k, v in r.config.items() if k not in SYSTEM_SPECIFIC_KEYS}
     cfg["phase"] = phase
@@ -218,7 +249,8 @@ def write_plot(path: str, results: list[Result], limits: Limits | None, system_o
                              squeeze=False)
     colors = {"stock": "#999999", "stock_best": "#5b8db8", "fastdcp": "#d9572b",
               "fastdcp_planners": "#8c2d04", "dcp_floor": "#2ca02c", "dcp_floor_planners": "#98df8a",
-              "bare_copy": "#2ca02c"}
+              "bare_copy": "#2ca02c", "torch_save": "#9467bd", "safetensors": "#e3b505",
+              "torchsnapshot": "#17becf", "nvrx_async": "#76b900"}
     rank = {name: i for i, name in enumerate(system_order)}
     for ax, scen in zip(axes[:, 0], scenarios):
         rs = [r for r in results if r.scenario == scen and r.gibps]

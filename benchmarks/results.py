@@ -10,6 +10,7 @@ from typing import Any
 
 from .floor import BASELINE_SYSTEMS, FLOOR, FLOOR_PLANNERS
 from .limits import Limits
+from .peers import is_peer
 from .systems import PLANNER_SYSTEMS
 
 GIB = float(1 << 30)
@@ -23,8 +24,9 @@ SYSTEM_SPECIFIC_KEYS = frozenset({"ckpt_writer"})
 @dataclass
 class Result:
     scenario: str
-    system: str                      # "stock" | "stock_best" | "fastdcp" | "fastdcp_planners", or a
-                                     # baseline: "dcp_floor", "dcp_floor_planners", "bare_copy"
+    system: str                      # "stock" | "stock_best" | "fastdcp" | "fastdcp_planners", a peer:
+                                     # "torch_save" | "safetensors" | "torchsnapshot" | "nvrx_async", or
+                                     # a baseline: "dcp_floor", "dcp_floor_planners", "bare_copy"
     config: dict[str, Any]           # the case: op, cache, layout, ...
     where: str                       # target name: "dir", "shm", "checkpoint"
     bytes: int                       # logical bytes moved per run (tensor payload)
@@ -39,6 +41,11 @@ class Result:
     seconds_median: float | None = None
     ratio_vs_stock: float | None = None
     ratio_vs_stock_best: float | None = None
+    # the fastest peer of the case (peers.py's peers and stock_best) and the ratio to it (GiB/s);
+    # for the DCP systems that are not peers themselves (stock, fastdcp, fastdcp_planners)
+    best_peer: str | None = None
+    best_peer_gibps: float | None = None
+    ratio_vs_best_peer: float | None = None
     limit_gibps: float | None = None
     fraction_of_limit: float | None = None
     # the baseline of the same case (DCP's floor in `small`, the bare copy for async `blocked`)
@@ -51,6 +58,10 @@ class Result:
     def is_baseline(self) -> bool:
         return self.system in BASELINE_SYSTEMS
 
+    @property
+    def is_peer(self) -> bool:
+        """A peer in "fastdcp vs best peer": peers.py's peers and stock_best."""
+        return is_peer(self.system)
     def case_key(self) -> tuple[str, str, str]:
         cfg = {k: v for k, v in self.config.items() if k not in SYSTEM_SPECIFIC_KEYS}
         return (self.scenario, self.where, json.dumps(cfg, sort_keys=True, default=str))
@@ -110,6 +121,11 @@ def finalize(results: list[Result], limits: Limits | None) -> list[Result]:
             ref = refs.get(ref_name)
             if ref is not None and ref.gibps and r.gibps:
                 setattr(r, attr, r.gibps / ref.gibps)
+        if not r.is_peer:
+            best = best_peer(refs)
+            if best is not None and r.gibps:
+                r.best_peer, r.best_peer_gibps = best.system, best.gibps
+                r.ratio_vs_best_peer = r.gibps / best.gibps
         base = refs.get(baseline_name(r.system, refs))
         if base is not None and base.seconds_median and r.seconds_median is not None:
             r.baseline = base.system
@@ -117,6 +133,12 @@ def finalize(results: list[Result], limits: Limits | None) -> list[Result]:
             r.above_baseline_seconds = r.seconds_median - base.seconds_median
             r.ratio_to_baseline = r.seconds_median / base.seconds_median
     return results
+
+
+def best_peer(refs: dict[str, Result]) -> Result | None:
+    """The fastest (median GiB/s) peer among a case's own-format results, or None."""
+    peers = [r for r in refs.values() if r.is_peer and r.gibps]
+    return max(peers, key=lambda r: r.gibps) if peers else None
 
 
 def baseline_name(system: str, refs: dict[str, Any]) -> str | None:

@@ -12,13 +12,14 @@ import sys
 import tempfile
 import warnings
 
-from .config import BenchConfig, config_from_args, fmt_size
+from .config import ASYNC_SCENARIOS, BenchConfig, config_from_args, fmt_size
 from .limits import measure_limits
 from .machine import collect_machine
 from .pagecache import choose_cold_method
 from .floor import BASELINE_SYSTEMS
-from .report import (header_lines, print_report, reader_stats_lines, run_description, sort_for_report,
-                     summary_lines, table_lines, write_json, write_plot)
+from .peers import prepare_peers, resolve_peers
+from .report import (header_lines, peer_lines, print_report, reader_stats_lines, run_description,
+                     sort_for_report, summary_lines, table_lines, write_json, write_plot)
 from .reshard import run_reshard
 from .results import Recorder, finalize
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
@@ -65,7 +66,7 @@ def _memory_note(cfg: BenchConfig, ctx: Context) -> None:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return
-    need = 2 * cfg.size + (len(cfg.systems) * cfg.size if "shm" in ctx.targets else 0)
+    need = 2 * cfg.size + ((len(cfg.systems) + len(ctx.peers)) * cfg.size if "shm" in ctx.targets else 0)
     if need > 0.9 * avail:
         ctx.note(f"--size {fmt_size(cfg.size)} needs about {fmt_size(need)} of RAM (state, load target"
                  f"{', tmpfs checkpoints' if 'shm' in ctx.targets else ''}); {fmt_size(avail)} available")
@@ -93,7 +94,7 @@ def _run(cfg: BenchConfig, ctx: Context) -> int:
         elif scen == "small":
             run_small(ctx, [w for w in c.small_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "small")
-        elif scen in ("async", "gpu_async"):
+        elif scen in ASYNC_SCENARIOS:
             SINGLE_PROCESS[scen](ctx, [w for w in c.async_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "async")
         else:
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     except FastDCPUnavailable as e:
         _banner(["BENCHMARK NOT RUN: fastdcp is not importable", str(e)])
         return EXIT_NO_FASTDCP
+    peers = resolve_peers(cfg.peers, notes=system_notes) if any(
+        s in cfg.scenarios for s in ("save", "load")) else []
     for n in system_notes:
         progress(f"NOTE: {n}")
     cfg.systems = [s.name for s in systems]
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         _banner(["'fastdcp' IS A STAND-IN: stock classes (FASTDCP_BENCH_STANDIN is set)"])
     targets = Targets(cfg)
     try:
-        progress(f"systems {','.join(cfg.systems)}; scenarios {','.join(cfg.scenarios)}; "
+        progress(f"systems {','.join(cfg.systems)}; peers {','.join(p.name for p in peers) or 'none'}; scenarios {','.join(cfg.scenarios)}; "
                  f"size {fmt_size(cfg.size)}; repeats {cfg.repeats}; targets "
                  + ", ".join(f"{w}={p}" for w, p in targets.paths.items()))
         facts_targets = dict(targets.paths)
@@ -148,15 +151,19 @@ def main(argv: list[str] | None = None) -> int:
         elif cold != "drop_caches" and cfg.cold_method == "auto":
             ctx.note("drop_caches not permitted: cold = posix_fadvise(DONTNEED) per checkpoint file")
         try:
+            if peers:
+                progress(f"peers {','.join(p.name for p in peers)}: untimed warm-up saves")
+                ctx.peers = prepare_peers(peers, targets.paths["dir"], ctx.note)
+            cfg.peers = [p.name for p in ctx.peers]
             _run(cfg, ctx)
         except VerificationError as e:
             _banner(["BENCHMARK FAILED: a loaded state dict is NOT bit-exact with what was saved", str(e)])
             return EXIT_VERIFY
-        order = [*cfg.systems, *BASELINE_SYSTEMS]
+        order = [*cfg.systems, *cfg.peers, *BASELINE_SYSTEMS]
         results = sort_for_report(finalize(ctx.recorder.results, limits), order)
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
         print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",
-                      *reader_stats_lines(results)])
+                      *peer_lines(results), "", *reader_stats_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)
             progress(f"wrote {cfg.json_path}")

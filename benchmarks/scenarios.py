@@ -1,6 +1,8 @@
 """Single-process scenarios: save, load (cold/warm), small tensors (with DCP's floor), async
-save (blocked vs durable time, against a bare copy), GPU variants, and loads of a user's
-existing checkpoint.
+save (blocked vs durable time, against a bare copy; one writer reused, or a new writer per save),
+GPU variants, and loads of a user's existing checkpoint. The peers (peers.py: torch.save,
+safetensors, torchsnapshot, nvidia-resiliency-ext) run in the save loop and, where they have a
+load of their own, in the load loop, interleaved with the DCP systems.
 
 Every scenario interleaves systems (A B C A B C ...) and verifies every loaded state dict
 bit-exact against what was saved; a mismatch raises VerificationError. (The floor's no-I/O
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from .config import BenchConfig, fmt_size
 from .floor import FLOOR, FLOOR_PLANNERS, NullStorageReader, NullStorageWriter
 from .pagecache import COLD_DROP, dir_bytes, fs_info, make_cold, same_device, warm_files
+from .peers import Peer
 from .results import GIB, Recorder
 from .state import (SCRIBBLE_BYTE, StateSpec, build_destination, build_state, clone_state,
                     corrupt_one_byte, destination_from_metadata, llm_like_spec, scribble,
@@ -56,6 +59,7 @@ class Context:
     progress: Progress
     cold_method: str | None
     notes: list[str] = field(default_factory=list)
+    peers: list[Peer] = field(default_factory=list)   # peers.py: run in save (and load)
     _main: tuple[StateSpec, dict, dict] | None = None
     _planners: dict[tuple[str, str, str], Any] = field(default_factory=dict)
 
@@ -136,6 +140,26 @@ def timed_load(system: System, dest: dict[str, Any], path: str, sync_cuda: bool 
     return elapsed
 
 
+def timed_peer_save(peer: Peer, sd: dict[str, Any], path: str) -> float:
+    """Seconds for one durable save by a peer (into the new directory `path`)."""
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.sync()
+    gc.collect()
+    with peer.session():  # untimed set-up (nvrx_async: a process group)
+        t0 = time.perf_counter()
+        peer.save(sd, path)
+        return time.perf_counter() - t0
+
+
+def timed_peer_load(peer: Peer, dest: dict[str, Any], path: str) -> float:
+    """Seconds for one load by a peer into the preallocated `dest`."""
+    gc.collect()
+    t0 = time.perf_counter()
+    peer.load(dest, path)
+    return time.perf_counter() - t0
+
+
 def prepare_cache(ctx: Context, cache: str, path: str, primer: Callable[[], None] | None = None) -> None:
     if cache == "cold":
         make_cold(ctx.cold_method, path)
@@ -145,7 +169,7 @@ def prepare_cache(ctx: Context, cache: str, path: str, primer: Callable[[], None
         warm_files(path)
 
 
-def check(ctx: Context, system: System, expected: dict[str, Any], loaded: dict[str, Any], what: str) -> None:
+def check(ctx: Context, system: System | Peer, expected: dict[str, Any], loaded: dict[str, Any], what: str) -> None:
     hook = ctx.cfg.corrupt_after_load
     if hook and hook in (system.name, "all"):
         key = corrupt_one_byte(loaded)
@@ -196,6 +220,18 @@ def _primer(ctx: Context, system: System, where: str) -> Callable[[], None] | No
                             planner=_fresh(system.make_load_planner), no_dist=True)
 
 
+def _peer_primer(ctx: Context, peer: Peer, where: str) -> Callable[[], None] | None:
+    """_primer for a peer: its own tiny checkpoint, loaded untimed after drop_caches."""
+    if ctx.cold_method != COLD_DROP:
+        return None
+    path = ctx.ckpt_dir(where, "primer", peer.name)
+    sd = {"primer": torch.arange(1024, dtype=torch.float32)}
+    if not peer.exists(path):
+        peer.save(sd, path)
+    dest = {"primer": torch.empty(1024, dtype=torch.float32)}
+    return lambda: peer.load(dest, path)
+
+
 def _ensure_checkpoint(ctx: Context, system: System, sd: dict[str, Any], path: str) -> None:
     if not os.path.exists(os.path.join(path, ".metadata")):
         ctx.progress(f"writing {path} for loads ({system.name})")
@@ -206,8 +242,12 @@ def _ensure_checkpoint(ctx: Context, system: System, sd: dict[str, Any], path: s
 # --------------------------------------------------------------------------- scenarios
 
 def run_save(ctx: Context, wheres: list[str]) -> None:
-    spec, src, _ = ctx.main_state()
+    """Durable saves of the LLM-like state, systems and peers interleaved (A B C D ... A B C D)."""
+    spec, src, dest = ctx.main_state()
     nbytes = spec.tensor_bytes
+    scens = ctx.cfg.scenarios
+    loads_follow = "load" in scens and (
+        "save" not in scens or scens.index("load") > scens.index("save"))
     for where in wheres:
         tmpfs = ctx.tmpfs(where)
         for rep in range(ctx.cfg.repeats):
@@ -217,10 +257,24 @@ def run_save(ctx: Context, wheres: list[str]) -> None:
                 ctx.recorder.add("save", where, system.name, {"fsync": True}, nbytes, dt,
                                  save_limit(where, tmpfs), system.description, file_bytes=dir_bytes(path))
                 _log(ctx, "save", where, system.name, "fsync", rep, dt, nbytes)
+            for peer in ctx.peers:
+                path = ctx.ckpt_dir(where, "ckpt", peer.name)
+                dt = timed_peer_save(peer, src, path)
+                ctx.recorder.add("save", where, peer.name, {"fsync": True}, nbytes, dt,
+                                 save_limit(where, tmpfs), peer.description, file_bytes=dir_bytes(path))
+                _log(ctx, "save", where, peer.name, "fsync", rep, dt, nbytes)
+                for n in peer.notes:
+                    ctx.note(n)
+        for peer in ctx.peers:
+            # verified by the load scenario when it loads this peer's checkpoint, else here
+            if loads_follow and peer.in_load_scenario:
+                continue
+            ctx.progress(f"save     {where:<4} {peer.name:<10} checking the checkpoint "
+                         f"({peer.description.get('load', 'its load')})")
+            peer.verify(src, dest, ctx.ckpt_dir(where, "ckpt", peer.name), f"save/{where}")
         for system in ctx.systems:
             # Every checkpoint gets verified: by the load scenario when it runs, else here. fastdcp's
             # is also read back with the stock reader in full mode (format compatibility).
-            loads_follow = "load" in ctx.cfg.scenarios
             if loads_follow and (not system.name.startswith("fastdcp") or ctx.cfg.quick):
                 continue
             ctx.progress(f"save     {where:<4} {system.name:<10} checking the checkpoint with the stock reader")
@@ -245,6 +299,13 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
         for _, writer in runs:
             _ensure_checkpoint(ctx, writer, src, ctx.ckpt_dir(where, "ckpt", writer.name))
         primers = {s.name: _primer(ctx, s, where) for s in ctx.systems}
+        peers = [p for p in ctx.peers if p.in_load_scenario]
+        for peer in peers:
+            path = ctx.ckpt_dir(where, "ckpt", peer.name)
+            if not peer.exists(path):
+                ctx.progress(f"writing {path} for loads ({peer.name})")
+                peer.save(src, path)
+            primers[peer.name] = _peer_primer(ctx, peer, where)
         for rep in range(ctx.cfg.repeats):
             for system, writer in runs:
                 path = ctx.ckpt_dir(where, "ckpt", writer.name)
@@ -262,6 +323,20 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
                     ctx.recorder.add("load", where, system.name, cfg, nbytes, dt,
                                      load_limit(where, tmpfs, cache), system.description, **extra)
                     _log(ctx, "load", where, system.name, f"{cache} ckpt={writer.name}", rep, dt, nbytes)
+            for peer in peers:
+                path = ctx.ckpt_dir(where, "ckpt", peer.name)
+                for cache in caches:
+                    scribble(dest)
+                    prepare_cache(ctx, cache, path, primers[peer.name])
+                    dt = timed_peer_load(peer, dest, path)
+                    check(ctx, peer, {k: v for k, v in src.items() if k not in peer.skipped}, dest,
+                          f"load/{where}/{cache}")
+                    cfg = {"cache": cache, "ckpt_writer": peer.name}
+                    if cache == "cold":
+                        cfg["cold_method"] = ctx.cold_method
+                    ctx.recorder.add("load", where, peer.name, cfg, nbytes, dt,
+                                     load_limit(where, tmpfs, cache), peer.description)
+                    _log(ctx, "load", where, peer.name, cache, rep, dt, nbytes)
 
 
 def run_label(i: int) -> str:
@@ -505,15 +580,18 @@ def _canary_name(spec: StateSpec) -> str:
     return (small or list(spec.tensors))[-1].name
 
 
-def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str) -> None:
-    """dcp.async_save with ONE writer object per system (staging buffers may be reused), new
-    directories through checkpoint_id=. Per save: `blocked` = until the caller may modify the
-    state again (async_save returned, plus its staging future when it returns one); `durable` =
-    until the upload future's result (files and .metadata written). Per save, interleaved: the
-    bare copy of the same tensors into preallocated host buffers (`bare_copy`, the floor of
-    `blocked`). One tensor (the canary) and the `step` entry change before every save and are
-    overwritten right after `blocked`; every checkpoint is then loaded and verified bit-exact
-    (it must hold the values from before the overwrite)."""
+def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str,
+               new_writer: bool = False) -> None:
+    """dcp.async_save into new directories through checkpoint_id=, with ONE writer object per
+    system reused for every save (staging buffers may be reused), or, with `new_writer`, a NEW
+    writer object per save, built inside the timing (`dcp.async_save(sd, checkpoint_id=path,
+    storage_writer=FastFileSystemWriter(path))`, the common pattern). Per save: `blocked` =
+    until the caller may modify the state again (async_save returned, plus its staging future
+    when it returns one); `durable` = until the upload future's result (files and .metadata
+    written). Per save, interleaved: the bare copy of the same tensors into preallocated host
+    buffers (`bare_copy`, the floor of `blocked`). One tensor (the canary) and the `step` entry
+    change before every save and are overwritten right after `blocked`; every checkpoint is
+    then loaded and verified bit-exact (it must hold the values from before the overwrite)."""
     cuda = device == "cuda"
     spec, src_cpu, dest = ctx.main_state()
     nbytes = spec.tensor_bytes
@@ -543,7 +621,7 @@ def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str) -> N
                 for where in wheres:
                     _async_where(ctx, scenario, where, mode, src, src_cpu, dest, canary_name, canary_orig,
                                  step_orig, pairs, saves, cuda, nbytes, bare_descr, blocked_limit,
-                                 proc.settle if proc is not None else (lambda: None))
+                                 proc.settle if proc is not None else (lambda: None), new_writer)
             finally:
                 if proc is not None:
                     proc.close()
@@ -560,10 +638,10 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[s
                  src_cpu: dict[str, Any], dest: dict[str, Any], canary_name: str,
                  canary_orig: torch.Tensor, step_orig: Any, pairs: list, saves: int, cuda: bool,
                  nbytes: int, bare_descr: dict[str, Any], blocked_limit: str,
-                 settle: Callable[[], None]) -> None:
+                 settle: Callable[[], None], new_writer: bool = False) -> None:
     tmpfs = ctx.tmpfs(where)
     durable_limit = ("d2h" if tmpfs else f"min(d2h,write:{where})") if cuda else save_limit(where, tmpfs)
-    root = os.path.join(ctx.targets[where], "async", mode)
+    root = os.path.join(ctx.targets[where], "async", scenario, mode)
     canary = src[canary_name]
     writers: dict[str, Any] = {}
     failed: set[str] = set()
@@ -579,7 +657,7 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[s
             if system.name in failed:
                 continue
             path = os.path.join(root, system.name, f"save{i}")
-            if system.name not in writers:
+            if not new_writer and system.name not in writers:
                 writers[system.name] = system.async_writer(path)
             if i == 0:
                 system.start_cold()
@@ -597,9 +675,11 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[s
             if cuda:
                 torch.cuda.synchronize()
             try:
+                planner = ctx.planner(system, "save", f"{scenario}/{where}/{mode}")
                 t0 = time.perf_counter()
-                resp = dcp.async_save(src, checkpoint_id=path, storage_writer=writers[system.name],
-                                      planner=ctx.planner(system, "save", f"{scenario}/{where}/{mode}"), **kwargs)
+                writer = system.async_writer(path) if new_writer else writers[system.name]
+                resp = dcp.async_save(src, checkpoint_id=path, storage_writer=writer, planner=planner,
+                                      **kwargs)
                 staging = getattr(resp, "staging_completion", None)  # AsyncSaveResponse (newer torch)
                 if staging is not None:
                     staging.result()
@@ -632,6 +712,10 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[s
 
 def run_async(ctx: Context, wheres: list[str]) -> None:
     _run_async(ctx, wheres, "async", "cpu")
+
+
+def run_async_new_writer(ctx: Context, wheres: list[str]) -> None:
+    _run_async(ctx, wheres, "async_new_writer", "cpu", new_writer=True)
 
 
 def run_gpu_async(ctx: Context, wheres: list[str]) -> None:
@@ -728,6 +812,7 @@ SINGLE_PROCESS = {
     "load": run_load,
     "small": run_small,
     "async": run_async,
+    "async_new_writer": run_async_new_writer,
     "gpu_save": run_gpu_save,
     "gpu_load": run_gpu_load,
     "gpu_async": run_gpu_async,

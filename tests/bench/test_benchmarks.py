@@ -344,6 +344,24 @@ def test_small_and_async_options():
         config_from_args(["--async-modes", "fork"])
 
 
+def test_peer_and_new_writer_options():
+    from benchmarks.peers import PEER_NAMES
+
+    q = config_from_args(["--quick"])
+    assert "async_new_writer" in q.scenarios and q.peers == list(PEER_NAMES)
+    assert config_from_args([]).peers == list(PEER_NAMES)
+    assert config_from_args(["--peers", "none"]).peers == []
+    c = config_from_args(["--systems", "stock,fastdcp"])  # --systems alone: only the peers it names
+    assert c.systems == ["stock", "fastdcp"] and c.peers == []
+    c = config_from_args(["--systems", "stock,torch_save", "--peers", "safetensors"])
+    assert c.systems == ["stock"] and c.peers == ["torch_save", "safetensors"]
+    assert config_from_args(["--systems", "stock,torch_save", "--peers", "none"]).peers == []
+    assert config_from_args(["--checkpoint", "/nowhere"]).peers == []
+    for bad in (["--peers", "pickle"], ["--systems", "stock,pickle"]):
+        with pytest.raises(SystemExit):
+            config_from_args(bad)
+
+
 def test_baselines_in_finalize():
     from benchmarks.results import Recorder, finalize
 
@@ -361,3 +379,243 @@ def test_baselines_in_finalize():
     assert rs[("small", "fastdcp_planners")].above_baseline_seconds == pytest.approx(0.6)
     assert rs[("small", "dcp_floor")].ratio_vs_stock is None
     assert rs[("async", "stock")].ratio_to_baseline == pytest.approx(5.0)
+
+
+# --------------------------------------------------------------------------- peers, async_new_writer
+
+def _peer_importable(name: str) -> bool:
+    from benchmarks.peers import PeerUnavailable, resolve_peers
+
+    try:
+        resolve_peers([name])
+        return True
+    except PeerUnavailable:
+        return False
+
+
+def _flip_payload_byte(root: Path, sd: dict) -> str:
+    """Flip one byte of the largest tensor's payload inside whichever file under `root` holds it
+    (found by its bytes: every peer stores tensor bytes uncompressed). Returns the file's name."""
+    name, t = max(((k, v) for k, v in sd.items() if isinstance(v, torch.Tensor)), key=lambda kv: kv[1].nbytes)
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    pattern = raw[len(raw) // 2: len(raw) // 2 + 64]
+    for f in sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size):
+        data = bytearray(f.read_bytes())
+        at = data.find(pattern)
+        if at >= 0:
+            data[at + 7] ^= 0xFF
+            f.write_bytes(bytes(data))
+            return f.name
+    raise AssertionError(f"the bytes of {name!r} are in no file under {root}")
+
+
+@pytest.mark.parametrize("name", ["torch_save", "safetensors", "torchsnapshot", "nvrx_async"])
+def test_peer_save_verifies_and_a_corrupted_file_fails(tmp_path, name):
+    """Each installed peer: a real durable save of a small LLM-like state, loaded back bit-exact;
+    one flipped payload byte in its file makes the verification raise."""
+    from benchmarks.peers import resolve_peers
+
+    if not _peer_importable(name):
+        pytest.skip(f"{name} is not installed")
+    peer = resolve_peers([name])[0]
+    spec = llm_like_spec(1 << 20, norms=4)
+    src, dest = build_state(spec), build_destination(spec)
+    path = tmp_path / name
+    peer.save(src, str(path))
+    assert peer.exists(str(path)) and any(p.is_file() for p in path.rglob("*"))
+    peer.verify(src, dest, str(path), "roundtrip")
+    assert dest["step"] == src["step"] and dest["run_info"] == src["run_info"]
+    _flip_payload_byte(path, src)
+    with pytest.raises(VerificationError, match="differs"):
+        peer.verify(src, dest, str(path), "corrupted")
+
+
+def test_missing_peers_are_notes_not_errors(tmp_path, capsys, monkeypatch, standin_if_needed):
+    from benchmarks.peers import PeerUnavailable, resolve_peers
+
+    for top in ("safetensors", "torchsnapshot", "nvidia_resiliency_ext"):
+        for mod in [top, *(m for m in sys.modules if m.startswith(top + "."))]:
+            monkeypatch.setitem(sys.modules, mod, None)  # `import mod` raises ImportError
+    notes: list[str] = []
+    peers = resolve_peers(["torch_save", "safetensors", "torchsnapshot", "nvrx_async"], notes=notes)
+    assert [p.name for p in peers] == ["torch_save"]
+    assert len(notes) == 3
+    for name, hint in (("safetensors", "pip install safetensors"), ("torchsnapshot", "pip install torchsnapshot"),
+                       ("nvrx_async", "pip install nvidia-resiliency-ext")):
+        assert any(n.startswith(f"{name} not run") and hint in n for n in notes), (name, notes)
+    with pytest.raises(PeerUnavailable):
+        resolve_peers(["safetensors"])
+
+    out = tmp_path / "r.json"
+    rc = main([*TINY, "--scenarios", "save", "--systems", "stock,torch_save,safetensors",
+               "--dir", str(tmp_path), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    assert "NOTE: safetensors not run" in captured.out and "pip install safetensors" in captured.out
+    doc = json.loads(out.read_text())
+    assert any(n.startswith("safetensors not run") for n in doc["notes"])
+    assert {r["system"] for r in doc["results"]} == {"stock", "torch_save"}
+    assert doc["run"]["peers"] == ["torch_save"]
+
+
+def test_peer_that_cannot_run_is_left_out_with_a_note_and_a_mismatch_fails(tmp_path):
+    from benchmarks.peers import Peer, prepare_peers, resolve_peers
+
+    def broken_save(sd, path):
+        raise OSError("no space left on device (test)")
+
+    broken = Peer("torch_save", broken_save, lambda d, p: None, "model.pt")
+    notes: list[str] = []
+    good = resolve_peers(["torch_save"])[0]
+    assert prepare_peers([broken, good], str(tmp_path), notes.append) == [good]
+    assert len(notes) == 1 and "torch_save not run" in notes[0] and "no space left" in notes[0]
+
+    def lying_load(dest, path):  # a load that "succeeds" with wrong bytes
+        good.load(dest, path)
+        corrupt_one_byte(dest)
+
+    liar = Peer("torch_save", good.save, lying_load, "model.pt")
+    with pytest.raises(VerificationError):
+        prepare_peers([liar], str(tmp_path), notes.append)
+
+
+def test_peer_with_corrupt_output_fails_the_run(tmp_path, capsys, monkeypatch, standin_if_needed):
+    """A peer whose saved file does not hold what was saved: a save-only run (verified after the
+    save loop) stops with exit status 3; so does a peer's load in the load scenario that does
+    not return what was saved (the test hook flips a byte after it)."""
+    import benchmarks.peers as peers_mod
+
+    real = peers_mod._BUILDERS["torch_save"]
+    calls = {"saves": 0}
+
+    def corrupting():
+        peer = real()
+        save = peer.save
+
+        def save_then_corrupt(sd, path):
+            save(sd, path)
+            calls["saves"] += 1
+            if calls["saves"] > 1:  # the warm-up save stays intact
+                _flip_payload_byte(Path(path), sd)
+
+        peer.save = save_then_corrupt
+        return peer
+
+    monkeypatch.setitem(peers_mod._BUILDERS, "torch_save", corrupting)
+    rc = main([*TINY, "--scenarios", "save", "--systems", "stock,torch_save", "--dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == EXIT_VERIFY, err[-3000:]
+    assert "NOT bit-exact" in err and "save/dir [torch_save]" in err, err[-3000:]
+    monkeypatch.setitem(peers_mod._BUILDERS, "torch_save", real)
+    rc = main([*TINY, "--scenarios", "save,load", "--systems", "stock,torch_save", "--dir", str(tmp_path),
+               "--corrupt-after-load", "torch_save"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_VERIFY and "load/dir" in err and "torch_save" in err, err[-3000:]
+
+
+def test_vs_best_peer_in_results_and_summary():
+    from benchmarks.report import peer_lines
+    from benchmarks.results import Recorder, finalize
+
+    rec = Recorder()
+    for system, secs in (("stock", 4.0), ("stock_best", 2.0), ("fastdcp", 1.0), ("torch_save", 1.6),
+                         ("safetensors", 2.5)):
+        rec.add("save", "dir", system, {"fsync": True}, 1 << 30, secs, None)
+    for system, secs in (("stock", 2.0), ("stock_best", 1.0), ("fastdcp", 0.5)):  # no external peer
+        rec.add("load", "shm", system, {"cache": "warm", "ckpt_writer": system}, 1 << 30, secs, None)
+    rs = {(r.scenario, r.system): r for r in finalize(rec.results, None)}
+    fast = rs[("save", "fastdcp")]
+    assert fast.best_peer == "torch_save" and fast.ratio_vs_best_peer == pytest.approx(1.6)
+    assert rs[("save", "stock")].ratio_vs_best_peer == pytest.approx(0.4)
+    assert rs[("save", "torch_save")].best_peer is None  # peers are not compared with themselves
+    assert rs[("load", "fastdcp")].best_peer == "stock_best"  # stock_best counts as a peer
+    assert rs[("load", "fastdcp")].ratio_vs_best_peer == pytest.approx(2.0)
+    lines = peer_lines(list(rs.values()))
+    assert lines[0].startswith("fastdcp vs best peer")
+    save_line = next(line for line in lines if line.strip().startswith("save"))
+    assert "fastdcp 1.00 GiB/s = 1.60x best peer torch_save (0.62 GiB/s), 4.00x stock" in save_line
+    assert "peers: torch_save 0.62, stock_best 0.50, safetensors 0.40" in save_line
+    assert any("load cache=warm shm: fastdcp" in line and "best peer stock_best" in line for line in lines)
+
+
+def test_peers_in_save_and_load_report_vs_best_peer(tmp_path, capsys, standin_if_needed):
+    out = tmp_path / "r.json"
+    rc = main([*TINY, "--scenarios", "save,load", "--systems", "stock,stock_best,fastdcp,torch_save",
+               "--dir", str(tmp_path), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    results = json.loads(out.read_text())["results"]
+    save = _by(results, "save")
+    assert set(save) == {"stock", "stock_best", "fastdcp", "torch_save"}
+    assert save["torch_save"]["extra"]["file_bytes"][0] >= save["torch_save"]["bytes"]
+    f = save["fastdcp"]
+    best = max(("stock_best", "torch_save"), key=lambda n: save[n]["gibps"])
+    assert f["best_peer"] == best and f["ratio_vs_best_peer"] == pytest.approx(f["gibps"] / save[best]["gibps"])
+    for cache in ("cold", "warm"):
+        load = _by(results, "load", cache=cache)
+        assert load["torch_save"]["config"]["ckpt_writer"] == "torch_save", cache
+        assert load["fastdcp"]["best_peer"] in ("stock_best", "torch_save")
+    assert "fastdcp vs best peer" in captured.out
+    assert "save fsync=True dir: fastdcp" in captured.out and "x best peer" in captured.out
+
+
+def test_async_new_writer_makes_a_writer_per_save(tmp_path, capsys, monkeypatch, standin_if_needed):
+    """async_new_writer: a new writer object per save (async reuses one per system), 1st and 2nd+
+    saves reported apart in both phases, every checkpoint verified (canary)."""
+    from benchmarks.systems import System
+
+    made: list[str] = []
+    real = System.async_writer
+
+    def counting(self, path):
+        made.append(path)
+        return real(self, path)
+
+    monkeypatch.setattr(System, "async_writer", counting)
+    out = tmp_path / "r.json"
+    rc = main([*TINY, "--scenarios", "async,async_new_writer", "--systems", "stock,fastdcp",
+               "--async-saves", "2", "--dir", str(tmp_path), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    new = [p for p in made if "/async/async_new_writer/" in p]
+    reused = [p for p in made if "/async/async/" in p]
+    assert len(new) == 2 * 2 and len(set(new)) == 4  # one per save and system, each for its own path
+    assert len(reused) == 2                           # `async`: one per system
+    results = json.loads(out.read_text())["results"]
+    for run, n in (("1st", 1), ("2nd+", 1)):
+        blocked = _by(results, "async_new_writer", mode="thread", phase="blocked", run=run)
+        durable = _by(results, "async_new_writer", mode="thread", phase="durable", run=run)
+        assert set(blocked) == {"stock", "fastdcp", "bare_copy"} and set(durable) == {"stock", "fastdcp"}
+        for name in ("stock", "fastdcp"):
+            assert len(blocked[name]["seconds"]) == n and blocked[name]["baseline"] == "bare_copy"
+            assert all(d >= b for d, b in zip(durable[name]["seconds"], blocked[name]["seconds"]))
+    assert "async_new_writer mode=thread,run=1st,phase=blocked dir: bare copy" in captured.out
+
+
+def test_async_new_writer_checks_the_canary(tmp_path, capsys, standin_if_needed):
+    rc = main([*TINY, "--scenarios", "async_new_writer", "--systems", "stock", "--async-saves", "2",
+               "--dir", str(tmp_path), "--corrupt-after-load", "stock"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_VERIFY and "async_new_writer/dir/thread/save0" in err, err[-3000:]
+
+
+def test_safetensors_peer_handles_shared_views_and_objects(tmp_path):
+    """What safetensors refuses (tied weights, views into a larger storage, non-contiguous
+    tensors) is saved as a user would (own copies); JSON-able objects go in the metadata, others
+    are skipped with a note and left out of the verification."""
+    from benchmarks.peers import resolve_peers
+
+    if not _peer_importable("safetensors"):
+        pytest.skip("safetensors is not installed")
+    peer = resolve_peers(["safetensors"])[0]
+    base = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
+    src = {"embed": base, "lm_head": base, "half": base[:32], "t": base.t(),
+           "step": 12, "cfg": {"lr": 0.5, "name": "x"}, "opaque": object()}
+    path = str(tmp_path / "st")
+    peer.save(src, path)
+    assert peer.skipped == {"opaque"} and any("'opaque'" in n for n in peer.notes)
+    dest = {k: (torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else None)
+            for k, v in src.items()}
+    peer.verify(src, dest, path, "shared")
+    assert dest["cfg"] == {"lr": 0.5, "name": "x"} and dest["step"] == 12 and dest["opaque"] is None
+    assert torch.equal(dest["t"], base.t()) and base.is_contiguous()  # the source is left as it was
