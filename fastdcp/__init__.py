@@ -27,6 +27,7 @@ from .format.checksums import ChecksumError
 from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
 from .load.reader import FastFileSystemReader
 from .planners import FastLoadPlanner, FastSavePlanner
+from .save.staging_pool import StagingPoolStats, release_staging, set_staging_pool_limit, staging_pool_stats
 from .save.writer import FastFileSystemWriter
 
 __version__ = "0.1.0"
@@ -40,6 +41,10 @@ __all__ = [
     "CheckpointNotFoundError",
     "ChecksumError",
     "add_safe_metadata_globals",
+    "set_staging_pool_limit",
+    "release_staging",
+    "staging_pool_stats",
+    "StagingPoolStats",
     "build_info",
     "__version__",
 ]

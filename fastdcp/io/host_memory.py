@@ -1,13 +1,27 @@
-"""Page-aligned host memory for staging: shared (so process-mode async saves send it without a
-copy), pinned when CUDA is present (so device-to-host copies run asynchronously at full speed).
+"""Page-aligned host memory for staging: anonymous or shared, pinned when CUDA is present (so
+device-to-host copies run asynchronously at full speed).
 
-One allocation is a :class:`HostSlab`. Which kind it gets is decided once, explicitly:
+One allocation is a :class:`HostSlab`, of one of two kinds:
 
+* ``private``: anonymous memory (``mmap``), the default for a slab that is not pinned. Its pages
+  fault in at the cost of the memory stock staging allocates (``torch.empty``), about half the cost
+  of shared-memory pages (both 4 KiB here: shmem gets no transparent huge pages unless the system
+  enables them): a first 1 GiB staging copy took 0.26 s into private memory, 0.56 s into shared
+  memory, measured alternately in fresh processes. A process-mode ``async_save`` pickles the staged
+  tensors through ``torch.multiprocessing``, which moves a private slab into shared memory once,
+  in the background (the storage is replaced in place, so the slab stays shared and later saves
+  send it without a copy; stock staging pays that move on every process-mode save).
 * ``shared``: an unlinked POSIX shared-memory file (torch's own shared storage, the one
-  ``torch.multiprocessing`` pickles as a file descriptor), used only when ``/dev/shm`` has room
-  for it with a margin: a full ``/dev/shm`` turns page faults into SIGBUS, not into an error.
-* ``private``: anonymous memory (``mmap``), used otherwise; a process-mode async save then costs
-  torch one copy into shared memory, in the background.
+  ``torch.multiprocessing`` pickles as a file descriptor), used when asked for and for pinned
+  slabs by default (moving a page-locked slab would drop the page-locking), and only when
+  ``/dev/shm`` has room for it with a margin: a full ``/dev/shm`` turns page faults into SIGBUS,
+  not into an error.
+
+:attr:`HostSlab.kind` is read from the memory, so it follows such a move. Pre-faulting was
+measured and is not done: ``MADV_POPULATE_WRITE`` before the copy (one thread or two) made the
+first staging copy slower for both kinds (private 0.46 s with two threads vs 0.26 s faulting
+during the copy), and ``MADV_HUGEPAGE`` on private slabs stalled in memory compaction (1.2 to
+2.8 s per GiB) where the system defragments on demand.
 
 Both are page-aligned, so tensors placed at 4096-multiples inside them are written with O_DIRECT
 straight from the slab. With CUDA the slab is page-locked with ``cudaHostRegister``; never across
@@ -23,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HostSlab", "allocate_slab", "PAGE"]
+__all__ = ["HostSlab", "allocate_slab", "slab_bytes", "PAGE"]
 
 PAGE = mmap.PAGESIZE
 _SHM_DIR = "/dev/shm"
@@ -68,13 +82,17 @@ def _unpin(ptr: int) -> None:
 class HostSlab:
     """``nbytes`` of page-aligned host memory as a flat uint8 tensor.
 
-    ``kind`` is ``"shared"`` or ``"private"``; ``pinned`` says whether CUDA page-locked it. The
-    memory lives as long as ``tensor`` (and every view of it) does."""
+    ``pinned`` says whether CUDA page-locked it. The memory lives as long as ``tensor`` (and every
+    view of it) does."""
 
     tensor: torch.Tensor
-    kind: str
     pinned: bool
     pid: int = field(default_factory=os.getpid)
+
+    @property
+    def kind(self) -> str:
+        """``"shared"`` or ``"private"``, as the memory is now (see the module docstring)."""
+        return "shared" if self.tensor.is_shared() else "private"
 
     @property
     def nbytes(self) -> int:
@@ -89,14 +107,22 @@ class HostSlab:
         return self.tensor[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def allocate_slab(nbytes: int, *, prefer_shared: bool = True, pin: bool | None = None) -> HostSlab:
-    """A new page-aligned slab of at least ``nbytes`` (rounded up to whole pages; at least one).
+def slab_bytes(nbytes: int) -> int:
+    """The size of the slab :func:`allocate_slab` returns for ``nbytes``: whole pages, at least one."""
+    return max(PAGE, -(-nbytes // PAGE) * PAGE)
 
-    ``prefer_shared``: use shared memory when ``/dev/shm`` has room (see the module docstring).
-    ``pin``: page-lock for CUDA; default: when CUDA is available in this process."""
-    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+
+def allocate_slab(nbytes: int, *, prefer_shared: bool | None = None, pin: bool | None = None) -> HostSlab:
+    """A new page-aligned slab of :func:`slab_bytes` (``nbytes``).
+
+    ``pin``: page-lock for CUDA; default: when CUDA is available in this process.
+    ``prefer_shared``: use shared memory when ``/dev/shm`` has room; default: when pinned (see the
+    module docstring)."""
+    size = slab_bytes(nbytes)
     if pin is None:
         pin = torch.cuda.is_available()
+    if prefer_shared is None:
+        prefer_shared = bool(pin)
     if prefer_shared and _shm_has_room(size):
         storage = torch.UntypedStorage._new_shared(size)
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -108,7 +134,7 @@ def allocate_slab(nbytes: int, *, prefer_shared: bool = True, pin: bool | None =
     if tensor.data_ptr() % PAGE:
         raise AssertionError(f"fastdcp: a {kind} staging slab is not page-aligned")
     pinned = bool(pin) and _pin(tensor.data_ptr(), size)
-    slab = HostSlab(tensor=tensor, kind=kind, pinned=pinned)
+    slab = HostSlab(tensor=tensor, pinned=pinned)
     if pinned:
         # Unregistered when the slab is dropped, in the process that registered it. Views still
         # alive then (a write in flight) keep the memory mapped, merely pageable again.

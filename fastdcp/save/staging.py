@@ -1,20 +1,22 @@
-"""Staging a state dict for ``dcp.async_save``: one reused host slab, copied into, then handed on.
+"""Staging a state dict for ``dcp.async_save``: copied into a pooled host slab, then handed on.
 
 ``stage(state_dict)`` returns a state dict of the same structure whose tensors are views into one
-:class:`~fastdcp.io.host_memory.HostSlab` (shared memory, pinned under CUDA), and returns only when
-every byte is there: training may change its tensors the moment it returns, and the checkpoint
-holds the values of the moment ``stage`` was called (no tensor of the result aliases a live one).
+:class:`~fastdcp.io.host_memory.HostSlab` (anonymous memory, which a process-mode save moves into
+shared memory once; shared and pinned from the start under CUDA), and returns only when every byte
+is there: training may change its tensors the moment it returns, and the checkpoint holds the
+values of the moment ``stage`` was called (no tensor of the result aliases a live one).
 
 * **Layout.** Tensors are placed in traversal order; every tensor of at least a page starts on a
   page boundary, so the writer sends it to disk with O_DIRECT straight from the slab.
-* **Reuse.** The slab is kept for the next ``stage`` while the tensors' dtypes and sizes stay the
-  same (the usual case: the same model, step after step), so steady-state staging is a copy into
-  memory that is already faulted in (and, under CUDA, already page-locked).
+* **Reuse.** Slabs come from the process-wide pool (:mod:`fastdcp.save.staging_pool`), keyed by the
+  tensors' dtypes and shapes: the next save of the same state reuses a slab that is already faulted
+  in (and, under CUDA, already page-locked), whether it goes through the same writer or a new one.
 * **No tearing.** A slab is refilled only after the save that used it stopped reading it: the
-  writer calls :meth:`StateDictStager.release` when its ``write_data`` is done, and independently
-  the stager watches the views it handed out (weak references): in process mode the views go away
-  when the background process has answered. If the previous save still holds the slab after
-  ``_WAIT_BEFORE_NEW_SLAB_S``, a new slab is allocated rather than blocking training longer.
+  writer's ``write_data`` calls :meth:`StateDictStager.release` with its planner's state dict, which
+  releases exactly the lease of the stage that produced it, and independently the pool watches the
+  views it handed out (weak references): in process mode the views go away when the background
+  process has answered. Stages while a save is in flight get another slab (within the pool's
+  memory cap; over it they wait, see :mod:`fastdcp.save.staging_pool`).
 * **Devices.** CUDA tensors are copied device-to-host with ``non_blocking`` copies on a side stream
   (ordered after the work already queued on the tensor's current stream), then the side stream is
   synchronised once. CPU tensors are copied with ``Tensor.copy_``.
@@ -26,22 +28,19 @@ ShardedTensor keep their sharding metadata and get staged local tensors.
 from __future__ import annotations
 
 import copy
-import gc
 import io
-import os
 import threading
-import time
-import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..format.blob import is_plain_dense
-from ..io.host_memory import PAGE, HostSlab, allocate_slab
+from ..io.host_memory import PAGE, HostSlab
 from .device_ring import CudaCopier
+from .staging_pool import StagingLease, staging_pool
 
 try:
     from torch.distributed.tensor import DTensor
@@ -56,8 +55,6 @@ except ImportError:  # pragma: no cover
 __all__ = ["StateDictStager", "StagingLayout"]
 
 _SMALL_ALIGN = 64
-_WAIT_BEFORE_NEW_SLAB_S = 60.0
-_GC_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -117,6 +114,25 @@ def _staged_dtensor(local: torch.Tensor, spec: Any) -> Any:
     return wrapper
 
 
+def _slab_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of ``obj`` that :func:`_collect` would place in a slab, lazily (also through a
+    planner's flattened state dict: the same tensor objects)."""
+    if DTensor is not None and isinstance(obj, DTensor):
+        yield from _slab_tensors(obj._local_tensor)
+    elif ShardedTensor is not None and isinstance(obj, ShardedTensor):
+        for shard in obj.local_shards():
+            yield from _slab_tensors(shard.tensor)
+    elif isinstance(obj, torch.Tensor):
+        if is_plain_dense(obj):
+            yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _slab_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _slab_tensors(value)
+
+
 def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
     """``obj`` with every slab tensor replaced by the next of ``staged`` (same traversal order as
     :func:`_collect`), other tensors copied to the CPU, other values deep-copied."""
@@ -169,106 +185,77 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
 
 
 class StateDictStager:
-    """Stages state dicts into one reused slab (see the module docstring)."""
+    """A writer's stager: stages into slabs of the process-wide pool and keeps the leases of its
+    own stages, so that its ``write_data`` releases exactly the slab its save read (see the module
+    docstring). Never pickled (the writer leaves it out)."""
 
-    def __init__(self, prefer_shared: bool = True) -> None:
-        self.prefer_shared = prefer_shared
-        self._condition = threading.Condition()
-        self._slab: HostSlab | None = None
-        self._layout: StagingLayout | None = None
-        self._views: list[weakref.ref] = []  # the views of the last stage()
-        # Stages whose save has not released yet. A count, not a flag: when the structure changes
-        # while a save still reads the old slab, a new slab is staged, and the old save's release
-        # must not mark the new slab free.
-        self._unreleased = 0
-        self.slabs_allocated = 0  # for tests and benchmarks: how often a new slab was needed
+    def __init__(self, prefer_shared: bool | None = None) -> None:
+        self.prefer_shared = prefer_shared  # allocate_slab's: None = shared memory only when pinned
+        self._lock = threading.Lock()
+        self._leases: list[StagingLease] = []  # this stager's stages whose slab may still be read
+        self._last_slab: weakref.ref | None = None
+        self.slabs_allocated = 0  # for tests: how many of this stager's stages needed a new slab
+
+    @property
+    def _slab(self) -> HostSlab | None:
+        """The slab of the latest stage, while the pool keeps it (tests, diagnostics)."""
+        return self._last_slab() if self._last_slab is not None else None
 
     def stage(self, state_dict: Any) -> Any:
         sources: list[torch.Tensor] = []
         paths: list[str] = []
         _collect(state_dict, sources, paths)
         layout = StagingLayout.for_tensors(sources)
-        with torch.no_grad():
-            slab = self._acquire(layout)
-            try:
+        with self._lock:
+            self._prune()
+        lease = staging_pool().acquire(
+            layout.nbytes, (layout.signature, self.prefer_shared), prefer_shared=self.prefer_shared
+        )
+        try:
+            slab = lease.slab
+            with torch.no_grad():
                 views = [
                     slab.view(offset, t.numel() * t.element_size(), t.dtype, t.shape)
                     for offset, t in zip(layout.offsets, sources)
                 ]
                 _copy_into(views, sources, paths)
                 staged = _rebuild(state_dict, iter(views))
-            except BaseException:
-                self.release()
-                raise
-        with self._condition:
-            self._views = [weakref.ref(v) for v in views]
+        except BaseException:
+            lease.release()
+            raise
+        lease.hold(views)
+        with self._lock:
+            self._leases.append(lease)
+            self._last_slab = weakref.ref(slab)
+            self.slabs_allocated += lease.fresh
         return staged
 
-    def release(self) -> None:
-        """A save that used a slab has finished reading it (called by the writer's write_data)."""
-        with self._condition:
-            self._unreleased = max(0, self._unreleased - 1)
-            self._condition.notify_all()
+    def release(self, staged: Any = None) -> None:
+        """A save that read a staged state dict has finished reading it (called by the writer's
+        ``write_data``). ``staged``: that save's state dict (the planner's), which names the lease
+        to release: the one whose slab holds its tensors, none if they are not from this stager.
+        Without it, the only lease still in use is released (none when there are several: their
+        views going away frees them)."""
+        with self._lock:
+            self._prune()
+            lease = None
+            if staged is not None:
+                first = next(_slab_tensors(staged), None)
+                if first is not None:
+                    lease = next((candidate for candidate in self._leases if candidate.holds(first)), None)
+            elif len(self._leases) == 1:
+                lease = self._leases[0]
+            if lease is not None:
+                self._leases.remove(lease)
+        if lease is not None:
+            lease.release()
 
     def close(self) -> None:
-        """Drop the slab (tensors handed out keep their memory alive until they go)."""
-        with self._condition:
-            self._slab = None
-            self._layout = None
-            self._views = []
-            self._unreleased = 0
+        """Forget this stager's leases without releasing them: a save still in flight keeps its
+        slab until its views go away; the pool keeps idle slabs for the next writer."""
+        with self._lock:
+            self._leases = []
+            self._last_slab = None
 
-    # ----------------------------------------------------------------------------------------- #
-
-    def _views_alive(self) -> bool:
-        return any(ref() is not None for ref in self._views)
-
-    def _acquire(self, layout: StagingLayout) -> HostSlab:
-        """The slab to fill for ``layout``, marked in use: the cached one once no save reads it,
-        else a new one."""
-        with self._condition:
-            slab = self._slab
-            reusable = (
-                slab is not None
-                and self._layout is not None
-                and self._layout.signature == layout.signature
-                and slab.pid == _current_pid()
-            )
-            if reusable and self._unreleased:
-                reusable = self._wait_until_free()
-            if not reusable:
-                # Views of the old slab (if any save still holds them) keep their memory; it is
-                # only forgotten here.
-                self._slab = allocate_slab(layout.nbytes, prefer_shared=self.prefer_shared)
-                self._layout = layout
-                self.slabs_allocated += 1
-            self._unreleased += 1
-            self._views = []
-            return self._slab  # type: ignore[return-value]
-
-    def _wait_until_free(self) -> bool:
-        """Wait (condition held) until every earlier save released its slab or the slab's views are
-        all gone; False when that takes more than ``_WAIT_BEFORE_NEW_SLAB_S``."""
-        start = last_gc = time.monotonic()
-        if self._views_alive():
-            gc.collect()  # views kept only by reference cycles of the finished save
-        while self._unreleased and self._views_alive():
-            now = time.monotonic()
-            if now - start > _WAIT_BEFORE_NEW_SLAB_S:
-                warnings.warn(
-                    f"fastdcp: the previous async save still holds its staging memory after "
-                    f"{_WAIT_BEFORE_NEW_SLAB_S:.0f} s; staging into a new slab ({self._layout.nbytes} bytes) "
-                    "instead of waiting longer. Wait for the previous save's future before the next save "
-                    "to keep one slab.",
-                    stacklevel=4,
-                )
-                return False
-            if now - last_gc > _GC_EVERY_S:
-                gc.collect()
-                last_gc = now
-            self._condition.wait(timeout=0.02)
-        return True
-
-
-def _current_pid() -> int:
-    return os.getpid()
+    def _prune(self) -> None:
+        self._leases = [lease for lease in self._leases if lease.in_use]

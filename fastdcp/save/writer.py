@@ -96,10 +96,12 @@ class FastFileSystemWriter(FileSystemWriter):
         memory_budget_bytes: pinned host memory for writing GPU tensors (default 256 MiB): a ring
             of 4 slots that device-to-host copies fill while the engine writes the previous slots.
 
-    ``dcp.async_save`` stages through :meth:`stage`: one host slab (shared memory; page-locked under
-    CUDA) reused across saves, refilled only once the save that read it is done (``fastdcp.save.staging``).
-    It always reuses its slab, so ``cache_staged_state_dict`` changes nothing here (it is accepted
-    for compatibility); call :meth:`close` to free the slab.
+    ``dcp.async_save`` stages through :meth:`stage`, into a host slab (page-locked under CUDA) from
+    the process-wide staging pool: every later save of the same state structure reuses it, through
+    this writer or a new one, and it is refilled only once the save that read it is done
+    (``fastdcp.save.staging``, ``fastdcp.save.staging_pool``; ``fastdcp.set_staging_pool_limit``
+    caps the pool, ``fastdcp.release_staging`` frees its idle slabs). Staging memory is always
+    reused, so ``cache_staged_state_dict`` changes nothing here (accepted for compatibility).
     """
 
     def __init__(
@@ -163,8 +165,9 @@ class FastFileSystemWriter(FileSystemWriter):
         self._stager: StateDictStager | None = None  # created by the first stage(); never pickled
 
     def __getstate__(self) -> dict[str, Any]:
-        # Process-mode async_save pickles the writer into the background process: the staging
-        # slab stays with the process that owns it (the staged tensors travel as shared memory).
+        # Process-mode async_save pickles the writer into the background process: its staging
+        # leases stay with the process that owns the pool (the staged tensors travel as shared
+        # memory; their views going away in this process frees the slab).
         state = self.__dict__.copy()
         state["_stager"] = None
         state["_ring"] = None
@@ -174,8 +177,8 @@ class FastFileSystemWriter(FileSystemWriter):
     # Async staging (AsyncStager protocol, used by dcp.async_save).
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into this writer's reused staging slab and return the staged copy;
-        returns once every byte is staged, so the caller may modify its tensors right away."""
+        """Copy ``state_dict`` into a slab of the process-wide staging pool and return the staged
+        copy; returns once every byte is staged, so the caller may modify its tensors right away."""
         if self._stager is None:
             self._stager = StateDictStager()
         return self._stager.stage(state_dict)
@@ -184,14 +187,18 @@ class FastFileSystemWriter(FileSystemWriter):
         """Nothing to wait for: :meth:`stage` returns with the copy complete."""
 
     def close(self) -> None:
-        """Free the staging slab (tensors of a save in flight keep their memory until it ends)."""
+        """Drop this writer's hold on staging memory. A save in flight keeps its slab until it ends;
+        idle slabs stay in the process-wide pool for the next writer (``fastdcp.release_staging()``
+        frees them)."""
         if self._stager is not None:
             self._stager.close()
             self._stager = None
 
-    def _release_staging(self) -> None:
+    def _release_staging(self, planner: SavePlanner | None = None) -> None:
+        """This writer's save is done reading its staged state dict: release the slab holding the
+        planner's state dict (without a planner: this writer's only slab in use)."""
         if self._stager is not None:
-            self._stager.release()
+            self._stager.release(getattr(planner, "state_dict", None) if planner is not None else None)
 
     def _stock_writes_everything(self) -> bool:
         transforms = getattr(self, "transforms", None)
@@ -266,7 +273,7 @@ class FastFileSystemWriter(FileSystemWriter):
         finally:
             # This rank's data is written (or the save failed): a staged state dict's slab may be
             # refilled by the next stage().
-            self._release_staging()
+            self._release_staging(planner)
 
     def _write_data_fast(self, storage_plan: _StoragePrefix, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         buckets = split_into_files(

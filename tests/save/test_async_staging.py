@@ -1,5 +1,6 @@
-"""``FastFileSystemWriter.stage`` (used by ``dcp.async_save``): one reused host slab, no aliasing of
-live tensors, no refill while a save still reads it, process mode, crash safety.
+"""``FastFileSystemWriter.stage`` (used by ``dcp.async_save``): a reused host slab from the staging
+pool, no aliasing of live tensors, no refill while a save still reads it, process mode, crash safety.
+(The pool across writers, its memory cap and fork safety: ``test_staging_pool.py``.)
 
 Every checkpoint is loaded back with stock ``FileSystemReader`` and compared bit-exact with the
 values the state had when ``async_save`` was called (the live tensors are overwritten right after).
@@ -18,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -27,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 import dcp_cases as C
 from _crash_worker import classify, make_state
 from test_crash import SEED, zygote  # noqa: F401 - the crash tests' zygote fixture, shared
-from fastdcp import FastFileSystemWriter
-from fastdcp.save import staging as _stager
+from fastdcp import FastFileSystemWriter, set_staging_pool_limit, staging_pool_stats
+from fastdcp.save import staging_pool as _pool
 from fastdcp.io.host_memory import PAGE, allocate_slab
 
 pytestmark = [
@@ -80,6 +82,19 @@ def _wait(result) -> None:
 def _slab_range(writer: FastFileSystemWriter) -> tuple[int, int]:
     slab = writer._stager._slab
     return slab.ptr, slab.ptr + slab.nbytes
+
+
+def _done_with(staged) -> types.SimpleNamespace:
+    """A stand-in for the planner write_data gets: the writer finds the lease by its state dict."""
+    return types.SimpleNamespace(state_dict=staged)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_pool():
+    """Every test starts with an empty staging pool at its default cap (the pool is per process)."""
+    _pool.reset_staging_pool()
+    yield
+    _pool.reset_staging_pool()
 
 
 # --------------------------------------------------------------------------- #
@@ -136,10 +151,11 @@ def test_new_slab_when_the_structure_changes(tmp_path):
 
 
 def test_stage_waits_until_the_previous_save_released_the_slab(tmp_path):
-    """A slab still being written is never refilled: the next stage() blocks until the writer
-    releases it (its write_data ended) and then reuses it."""
+    """A slab still being written is never refilled: with no room in the pool for a second slab,
+    the next stage() blocks until the writer releases it (its write_data ended) and then reuses it."""
     writer = FastFileSystemWriter(tmp_path)
     first = writer.stage(_state(4))  # held, as a save in flight would
+    set_staging_pool_limit(writer._stager._slab.nbytes)
     first_copy = C.deepcopy_state_dict(first)
     done = threading.Event()
     second = {}
@@ -163,6 +179,7 @@ def test_stage_proceeds_once_the_staged_tensors_are_gone(tmp_path):
     """Process mode never calls the parent writer's write_data: the views going away frees it."""
     writer = FastFileSystemWriter(tmp_path)
     first = writer.stage(_state(6))
+    set_staging_pool_limit(writer._stager._slab.nbytes)
     done = threading.Event()
     thread = threading.Thread(target=lambda: (writer.stage(_state(7)), done.set()))
     thread.start()
@@ -175,32 +192,43 @@ def test_stage_proceeds_once_the_staged_tensors_are_gone(tmp_path):
 
 
 def test_an_older_saves_release_does_not_free_a_newer_slab(tmp_path):
-    """Save A (old structure) still writing while B (new structure) is staged into a new slab:
-    A's release must not let the next stage() refill B's slab while B's save still reads it."""
+    """Saves A (old structure) and B (new structure) in flight through one writer: A's release
+    frees A's slab only, so no later stage() refills B's slab while B's save still reads it."""
+    set_staging_pool_limit(2 * PAGE)  # A's slab and B's slab (a page each), nothing more
     writer = FastFileSystemWriter(tmp_path)
     held_a = writer.stage({"w": torch.ones(100)})
     held_b = writer.stage({"w": torch.ones(200)})  # new structure: new slab, no waiting
     assert writer._stager.slabs_allocated == 2
-    writer._release_staging()  # save A is done
-    done = threading.Event()
-    thread = threading.Thread(target=lambda: (writer.stage({"w": torch.full((200,), 5.0)}), done.set()))
-    thread.start()
-    assert not done.wait(0.5), "save A's release freed the slab save B still reads"
+    writer._release_staging()  # no planner and two saves in flight: it cannot tell, releases none
+    assert staging_pool_stats().slabs_in_use == 2
+    writer._release_staging(_done_with(held_a))  # save A is done
+    assert staging_pool_stats().slabs_in_use == 1
+    c = writer.stage({"w": torch.full((200,), 5.0)})  # A's idle slab is dropped for a new one
+    assert c["w"].untyped_storage().data_ptr() != held_b["w"].untyped_storage().data_ptr()
     assert torch.equal(held_b["w"], torch.ones(200))
-    writer._release_staging()  # save B is done
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (writer.stage({"w": torch.full((200,), 7.0)}), done.set()))
+    thread.start()
+    assert not done.wait(0.5), "a stage refilled a slab that save B or C still reads"
+    assert torch.equal(held_b["w"], torch.ones(200)) and torch.equal(c["w"], torch.full((200,), 5.0))
+    writer._release_staging(_done_with(held_b))  # save B is done: the waiting stage gets its slab
     assert done.wait(10)
     thread.join()
+    assert torch.equal(c["w"], torch.full((200,), 5.0))
+    assert torch.equal(held_b["w"], torch.full((200,), 7.0))  # B's slab, refilled after its release
     del held_a
 
 
 def test_a_slab_held_too_long_is_replaced_not_overwritten(tmp_path, monkeypatch):
-    monkeypatch.setattr(_stager, "_WAIT_BEFORE_NEW_SLAB_S", 0.2)
+    monkeypatch.setattr(_pool, "_WAIT_BEFORE_NEW_SLAB_S", 0.2)
     writer = FastFileSystemWriter(tmp_path)
     first = writer.stage(_state(8))
+    set_staging_pool_limit(writer._stager._slab.nbytes)  # no room for a second slab: it waits
     first_copy = C.deepcopy_state_dict(first)
     with pytest.warns(UserWarning, match="still holds its staging memory"):
         second = writer.stage(_state(9))
     assert writer._stager.slabs_allocated == 2
+    assert staging_pool_stats().slabs_unpooled == 1  # outside the cap, dropped after its save
     C.assert_same(first, first_copy)
     C.assert_same(second["big"], _state(9)["big"])
 
@@ -217,7 +245,8 @@ def test_failed_stage_releases_the_slab(tmp_path):
     start = time.monotonic()
     writer.stage({"t": torch.ones(3)})
     assert time.monotonic() - start < 5
-    assert writer._stager.slabs_allocated == 1
+    stats = staging_pool_stats()
+    assert (stats.slabs_allocated, stats.slabs_reused) == (1, 1)
 
 
 def test_writer_pickles_without_its_slab(tmp_path):
@@ -237,6 +266,7 @@ def test_slab_kinds_are_page_aligned():
         assert int(slab.tensor.sum()) == 3 * slab.nbytes
     assert allocate_slab(1, prefer_shared=True, pin=False).kind == "shared"
     assert allocate_slab(1, prefer_shared=False, pin=False).kind == "private"
+    assert allocate_slab(1, pin=False).kind == "private"  # unpinned: anonymous unless asked
 
 
 def test_cached_staging_flag_is_accepted(tmp_path):
@@ -333,15 +363,16 @@ def _run_child(root: Path, mode: str) -> dict:
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_async_save_dtensor_shardedtensor_and_process_mode(tmp_path, mode):
     """Three async saves of DTensor + ShardedTensor state through one writer in THREAD or PROCESS
-    mode: one slab for all of them (shared memory, so process mode sends it without a copy), each
-    checkpoint holds the values at call time, stock reads them."""
+    mode: one slab for all of them (anonymous memory; process mode moves it into shared memory once,
+    in place, and later saves send it without a copy), each checkpoint holds the values at call
+    time, stock reads them."""
     report = _run_child(tmp_path, mode)
     if mode == "thread":
         assert report["dtensor_staged"] and report["sharded_staged"] and report["in_slab"], report
     for step in range(3):
         assert report[f"dt_{step}"] and report[f"st_{step}"], report
     assert report["slabs"] == 1, report
-    assert report["slab_kind"] == "shared", report
+    assert report["slab_kind"] == ("shared" if mode == "process" else "private"), report
 
 
 # --------------------------------------------------------------------------- #
