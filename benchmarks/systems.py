@@ -100,9 +100,14 @@ def _fastdcp(standin: bool) -> System:
             f"(pip install --no-build-isolation -e .), or benchmark stock only with "
             f"--systems stock,stock_best, or set {STANDIN_ENV}=1 to develop the harness "
             f"with stock classes standing in for fastdcp.") from exc
+    # The process-wide staging pool outlives writers: emptied before a case's first (run=1st) save
+    # so that "1st" pays for new staging memory whatever ran before it.
+    release = getattr(fastdcp, "release_staging", None)
     return System("fastdcp", lambda p: writer_cls(p), lambda p: reader_cls(p),
                   {"writer": "FastFileSystemWriter() defaults", "reader": "FastFileSystemReader() defaults",
-                   "build_info": fastdcp_build_info()})
+                   "staging_pool": "fastdcp.release_staging() before run=1st" if release else "none",
+                   "build_info": fastdcp_build_info()},
+                  clear_caches=(lambda: release()) if release else None)
 
 
 def _fastdcp_planners(standin: bool) -> System:
@@ -134,8 +139,16 @@ def _fastdcp_planners(standin: bool) -> System:
         getattr(sys.modules.get(save_cls.__module__), "clear_plan_caches", None)
     descr["plan_caches"] = (f"{save_cls.__module__}.clear_plan_caches() before run=1st" if clear else
                             "no clear_plan_caches(): run=1st may reuse plans cached by earlier runs")
+    clear_plans = clear
+
+    def clear_all() -> None:
+        if base.clear_caches is not None:
+            base.clear_caches()
+        if clear_plans is not None:
+            clear_plans()
+
     return System("fastdcp_planners", base.make_writer, base.make_reader, descr,
-                  make_save_planner=save_cls, make_load_planner=load_cls, clear_caches=clear)
+                  make_save_planner=save_cls, make_load_planner=load_cls, clear_caches=clear_all)
 
 
 def fastdcp_build_info() -> dict[str, Any] | None:
