@@ -241,22 +241,58 @@ def _ensure_checkpoint(ctx: Context, system: System, sd: dict[str, Any], path: s
 
 # --------------------------------------------------------------------------- scenarios
 
+def _drop_checkpoint(path: str) -> None:
+    """Remove a save's output (untimed) so that checkpoints of every system and repeat do not pile
+    up in memory: on tmpfs each is a GiB of RAM, and a memory filesystem short of free pages writes
+    at the speed of page reclaim, which would slow whichever system comes last."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
+
+
 def run_save(ctx: Context, wheres: list[str]) -> None:
-    """Durable saves of the LLM-like state, systems and peers interleaved (A B C D ... A B C D)."""
+    """Durable saves of the LLM-like state, systems and peers interleaved (A B C D ... A B C D).
+
+    Only the last repeat's checkpoints are kept, and only those the load scenario reads; the others
+    are verified right after their last save and removed (see :func:`_drop_checkpoint`)."""
     spec, src, dest = ctx.main_state()
     nbytes = spec.tensor_bytes
     scens = ctx.cfg.scenarios
     loads_follow = "load" in scens and (
         "save" not in scens or scens.index("load") > scens.index("save"))
+
+    def finish_system(where: str, system: System, path: str) -> None:
+        # Every checkpoint gets verified: by the load scenario when it runs, else here. fastdcp's
+        # is also read back with the stock reader in full mode (format compatibility).
+        if loads_follow and (not system.name.startswith("fastdcp") or ctx.cfg.quick):
+            return
+        ctx.progress(f"save     {where:<4} {system.name:<10} checking the checkpoint with the stock reader")
+        verify_with_stock_reader(src, spec, path, f"save/{where}/{system.name}")
+        if not loads_follow:
+            _drop_checkpoint(path)
+
+    def finish_peer(where: str, peer: Any, path: str) -> None:
+        # verified by the load scenario when it loads this peer's checkpoint, else here
+        if loads_follow and peer.in_load_scenario:
+            return
+        ctx.progress(f"save     {where:<4} {peer.name:<10} checking the checkpoint "
+                     f"({peer.description.get('load', 'its load')})")
+        peer.verify(src, dest, path, f"save/{where}")
+        _drop_checkpoint(path)
+
     for where in wheres:
         tmpfs = ctx.tmpfs(where)
         for rep in range(ctx.cfg.repeats):
+            last = rep == ctx.cfg.repeats - 1
             for system in ctx.systems:
                 path = ctx.ckpt_dir(where, "ckpt", system.name)
                 dt = timed_save(system, src, path, ctx.planner(system, "save", f"save/{where}"))
                 ctx.recorder.add("save", where, system.name, {"fsync": True}, nbytes, dt,
                                  save_limit(where, tmpfs), system.description, file_bytes=dir_bytes(path))
                 _log(ctx, "save", where, system.name, "fsync", rep, dt, nbytes)
+                if last:
+                    finish_system(where, system, path)
+                else:
+                    _drop_checkpoint(path)
             for peer in ctx.peers:
                 path = ctx.ckpt_dir(where, "ckpt", peer.name)
                 dt = timed_peer_save(peer, src, path)
@@ -265,21 +301,10 @@ def run_save(ctx: Context, wheres: list[str]) -> None:
                 _log(ctx, "save", where, peer.name, "fsync", rep, dt, nbytes)
                 for n in peer.notes:
                     ctx.note(n)
-        for peer in ctx.peers:
-            # verified by the load scenario when it loads this peer's checkpoint, else here
-            if loads_follow and peer.in_load_scenario:
-                continue
-            ctx.progress(f"save     {where:<4} {peer.name:<10} checking the checkpoint "
-                         f"({peer.description.get('load', 'its load')})")
-            peer.verify(src, dest, ctx.ckpt_dir(where, "ckpt", peer.name), f"save/{where}")
-        for system in ctx.systems:
-            # Every checkpoint gets verified: by the load scenario when it runs, else here. fastdcp's
-            # is also read back with the stock reader in full mode (format compatibility).
-            if loads_follow and (not system.name.startswith("fastdcp") or ctx.cfg.quick):
-                continue
-            ctx.progress(f"save     {where:<4} {system.name:<10} checking the checkpoint with the stock reader")
-            verify_with_stock_reader(src, spec, ctx.ckpt_dir(where, "ckpt", system.name),
-                                     f"save/{where}/{system.name}")
+                if last:
+                    finish_peer(where, peer, path)
+                else:
+                    _drop_checkpoint(path)
 
 
 def run_load(ctx: Context, wheres: list[str]) -> None:
