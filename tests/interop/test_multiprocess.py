@@ -253,6 +253,12 @@ def _run_loads(rec: _Recorder, mesh, rank: int, ws: int, root: str, ws_saves: li
 def _worker(rank: int, spec: dict) -> None:
     """Entry point of every spawned rank.  Never raises."""
     torch.set_num_threads(1)
+    # fastdcp's automatic layout (thread_count unset) with its smallest-file rule shrunk: every
+    # rank's few KiB spread over several data files, so each reshard combination also covers the
+    # multi-file layout (checked in test_fast_checkpoints_use_several_files_per_rank).
+    import fastdcp.save.file_split as file_split
+
+    file_split.AUTO_MIN_FILE_BYTES = 1
     ws, phase = spec["ws"], spec["phase"]
     rec = _Recorder(spec["results_dir"], phase, rank)
     try:
@@ -445,3 +451,17 @@ def test_reshard(writer_kind, reader_kind, mp_results):
     """DTensor S0/S1/R, ShardedTensor, replicated tensor, shared and per-rank
     non-tensor state: every save placement x load placement x (W_save, W_load)."""
     mp_results.check_pair(writer_kind, reader_kind)
+
+
+@pytest.mark.fastdcp_timeout(0)
+def test_fast_checkpoints_use_several_files_per_rank(mp_results):
+    """The reshard matrix above loads fastdcp checkpoints written with the automatic layout spread
+    over several files per rank (the workers shrink its smallest-file rule): check it really did."""
+    for ws in (1, 2):
+        for placement in PLACEMENTS:
+            directory = ckpt_dir(mp_results.root, ws, "fast", placement)
+            names = [n for n in os.listdir(directory) if n.endswith(".distcp")]
+            per_rank = defaultdict(int)
+            for name in names:
+                per_rank[int(name[2:].split("_", 1)[0])] += 1
+            assert max(per_rank.values(), default=0) >= 2, f"ws={ws} {placement}: data files {sorted(names)}"
