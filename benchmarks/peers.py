@@ -49,13 +49,13 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from .process_group import OneRankGroup
 from .state import VerificationError, scribble, verify_state
 
 PEER_NAMES = ("torch_save", "safetensors", "torchsnapshot", "nvrx_async")
@@ -146,12 +146,6 @@ def _fill(dest: dict[str, Any], loaded: dict[str, Any], where: str) -> None:
             d.copy_(v)
         else:
             dest[k] = v
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- torch.save
@@ -281,25 +275,6 @@ def _torchsnapshot() -> Peer:
 
 # --------------------------------------------------------------------------- nvidia-resiliency-ext
 
-class _OneRankGroup:
-    """A 1-rank gloo default process group for the duration of a `with` block, unless one exists."""
-
-    def __enter__(self) -> "_OneRankGroup":
-        import torch.distributed as dist
-
-        self.own = not dist.is_initialized()
-        if self.own:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                    world_size=1)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
-
-        if self.own and dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _nvrx_async(thread_count: int = 2) -> Peer:
     try:
         import torch.distributed as dist
@@ -326,7 +301,7 @@ def _nvrx_async(thread_count: int = 2) -> Peer:
     cuda = torch.cuda.is_available()
 
     def save(sd: dict[str, Any], path: str) -> None:
-        with _OneRankGroup():  # a no-op inside the benchmark's untimed session (the group exists)
+        with OneRankGroup():  # a no-op inside the benchmark's untimed session (the group exists)
             writer = writer_cls(path, thread_count=thread_count)
             ret = plan_fn(sd, writer, None, 0, planner=DefaultSavePlanner())
             if isinstance(ret[0], tuple):  # versions that also return the cached plans
@@ -362,7 +337,7 @@ def _nvrx_async(thread_count: int = 2) -> Peer:
                                   "(untimed) when none exists",
                  "warm_up": "results queue (multiprocessing Manager) started by an untimed warm-up save",
                  "nvidia-resiliency-ext": nvrx_version},
-                in_load_scenario=False, session=_OneRankGroup)
+                in_load_scenario=False, session=OneRankGroup)
 
 
 _BUILDERS: dict[str, Callable[[], Peer]] = {

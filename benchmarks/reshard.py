@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from .pagecache import COLD_DROP, make_cold, warm_files
+from .process_group import free_port
 from .state import (StateSpec, VerificationError, compare_tensor, corrupt_one_byte, fill_box,
                     make_tensor, scribble)
 
@@ -215,12 +215,6 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Ranks are forked from a forkserver that imported these once: with plain spawn, every rank
 # re-imports torch and DCP (4 ranks on 2 busy cores: ~18 s per stage instead of ~0.2 s).
 # A forkserver never runs OpenMP regions itself, so forking from it is safe, unlike a fork
@@ -251,7 +245,7 @@ def run_stage(job: ReshardJob, ws: int) -> list[dict[str, Any]]:
         # fastdcp itself is not preloaded: a native thread pool created at import would not
         # survive the fork. The ranks import it (cheap once torch is loaded).
         multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    mp.start_processes(_rank_main, args=(job, ws, _free_port(), time.time()), nprocs=ws, join=True,
+    mp.start_processes(_rank_main, args=(job, ws, free_port(), time.time()), nprocs=ws, join=True,
                        start_method=method)
     outs = [job.out_path] + [f"{job.out_path}.rank{r}" for r in range(1, ws)]
     failure = None

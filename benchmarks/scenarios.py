@@ -15,7 +15,6 @@ import gc
 import inspect
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from .config import BenchConfig, fmt_size
 from .floor import FLOOR, FLOOR_PLANNERS, NullStorageReader, NullStorageWriter
 from .pagecache import COLD_DROP, dir_bytes, fs_info, make_cold, same_device, warm_files
 from .peers import Peer
+from .process_group import OneRankGroup
 from .results import GIB, Recorder
 from .state import (SCRIBBLE_BYTE, StateSpec, build_destination, build_state, clone_state,
                     corrupt_one_byte, destination_from_metadata, llm_like_spec, scribble,
@@ -245,8 +245,7 @@ def _drop_checkpoint(path: str) -> None:
     """Remove a save's output (untimed) so that checkpoints of every system and repeat do not pile
     up in memory: on tmpfs each is a GiB of RAM, and a memory filesystem short of free pages writes
     at the speed of page reclaim, which would slow whichever system comes last."""
-    shutil.rmtree(path, ignore_errors=True)
-    os.sync()
+    shutil.rmtree(path, ignore_errors=True)  # the next timed save syncs before its clock starts
 
 
 def run_save(ctx: Context, wheres: list[str]) -> None:
@@ -495,12 +494,6 @@ def _capture_metadata(ctx: Context, src: dict[str, Any], where: str) -> Any:
 
 # --------------------------------------------------------------------------- async
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _ProcessMode:
     """What AsyncCheckpointerType.PROCESS needs in a single process: a process group (stock
     reads rank/world size from it and broadcasts the daemon's store address over it, even with
@@ -509,16 +502,9 @@ class _ProcessMode:
     untimed warm-up save, so that no system's timed save pays for it."""
 
     def __init__(self, ctx: Context) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.own_group = False
         self.old_addr = os.environ.get("MASTER_ADDR")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                    world_size=1)
-            self.own_group = True
+        self.group = OneRankGroup().open()
         path = os.path.join(ctx.targets[next(iter(ctx.targets))], "async", "process_warmup")
         t0 = time.perf_counter()
         fut = dcp.async_save({"warmup": torch.zeros(4)}, storage_writer=FileSystemWriter(path),
@@ -555,8 +541,7 @@ class _ProcessMode:
             last = now
 
     def close(self) -> None:
-        if self.own_group and self.dist.is_initialized():
-            self.dist.destroy_process_group()
+        self.group.close()
         if self.old_addr is None:
             os.environ.pop("MASTER_ADDR", None)
         else:

@@ -79,24 +79,24 @@ class StagingLayout:
         return StagingLayout(signature, tuple(offsets), end)
 
 
-def _collect(obj: Any, out: list[torch.Tensor], paths: list[str], path: str = "") -> None:
-    """Append, in traversal order, every tensor of ``obj`` that goes into the slab (and its path
-    in the state dict to ``paths``, for error messages)."""
+def _slab_tensors(obj: Any, path: str = "") -> Iterator[tuple[torch.Tensor, str]]:
+    """Every tensor of ``obj`` that goes into the slab, in traversal order, with its path in the
+    state dict (for error messages); lazily, so that a caller wanting the first one (the writer's
+    release, through the planner's flattened state dict: the same tensor objects) walks no further."""
     if DTensor is not None and isinstance(obj, DTensor):
-        _collect(obj._local_tensor, out, paths, path)
+        yield from _slab_tensors(obj._local_tensor, path)
     elif ShardedTensor is not None and isinstance(obj, ShardedTensor):
         for i, shard in enumerate(obj.local_shards()):
-            _collect(shard.tensor, out, paths, f"{path}[shard {i}]")
+            yield from _slab_tensors(shard.tensor, f"{path}[shard {i}]")
     elif isinstance(obj, torch.Tensor):
         if is_plain_dense(obj):
-            out.append(obj)
-            paths.append(path)
+            yield obj, path
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            _collect(value, out, paths, f"{path}.{key}" if path else str(key))
+            yield from _slab_tensors(value, f"{path}.{key}" if path else str(key))
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            _collect(value, out, paths, f"{path}[{i}]")
+            yield from _slab_tensors(value, f"{path}[{i}]")
 
 
 def _staged_dtensor(local: torch.Tensor, spec: Any) -> Any:
@@ -114,28 +114,9 @@ def _staged_dtensor(local: torch.Tensor, spec: Any) -> Any:
     return wrapper
 
 
-def _slab_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors of ``obj`` that :func:`_collect` would place in a slab, lazily (also through a
-    planner's flattened state dict: the same tensor objects)."""
-    if DTensor is not None and isinstance(obj, DTensor):
-        yield from _slab_tensors(obj._local_tensor)
-    elif ShardedTensor is not None and isinstance(obj, ShardedTensor):
-        for shard in obj.local_shards():
-            yield from _slab_tensors(shard.tensor)
-    elif isinstance(obj, torch.Tensor):
-        if is_plain_dense(obj):
-            yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _slab_tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _slab_tensors(value)
-
-
 def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
     """``obj`` with every slab tensor replaced by the next of ``staged`` (same traversal order as
-    :func:`_collect`), other tensors copied to the CPU, other values deep-copied."""
+    :func:`_slab_tensors`), other tensors copied to the CPU, other values deep-copied."""
     if DTensor is not None and isinstance(obj, DTensor):
         return _staged_dtensor(_rebuild(obj._local_tensor, staged), obj._spec)
     if ShardedTensor is not None and isinstance(obj, ShardedTensor):
@@ -202,9 +183,9 @@ class StateDictStager:
         return self._last_slab() if self._last_slab is not None else None
 
     def stage(self, state_dict: Any) -> Any:
-        sources: list[torch.Tensor] = []
-        paths: list[str] = []
-        _collect(state_dict, sources, paths)
+        found = list(_slab_tensors(state_dict))
+        sources = [tensor for tensor, _ in found]
+        paths = [path for _, path in found]
         layout = StagingLayout.for_tensors(sources)
         with self._lock:
             self._prune()
@@ -242,7 +223,7 @@ class StateDictStager:
             if staged is not None:
                 first = next(_slab_tensors(staged), None)
                 if first is not None:
-                    lease = next((candidate for candidate in self._leases if candidate.holds(first)), None)
+                    lease = next((candidate for candidate in self._leases if candidate.holds(first[0])), None)
             elif len(self._leases) == 1:
                 lease = self._leases[0]
             if lease is not None:

@@ -262,12 +262,10 @@ class StagingPool:
                 if size > limit:
                     if not self._warned_oversize:
                         self._warned_oversize = True
-                        warnings.warn(
-                            f"fastdcp: this state needs {size} bytes of staging memory, more than the "
-                            f"staging pool's cap of {limit} bytes; it is staged into memory outside the "
-                            "pool, allocated for every save and dropped after it. Raise the cap with "
-                            f"fastdcp.set_staging_pool_limit(nbytes) or {LIMIT_ENV} to reuse it.",
-                            stacklevel=4,
+                        _warn_outside_pool(
+                            f"this state needs {size} bytes of staging memory, more than the staging "
+                            f"pool's cap of {limit} bytes; it is staged into memory outside the pool, "
+                            "allocated for every save and dropped after it"
                         )
                     slot = self._new_slot(key, size, pooled=False)
                     break
@@ -280,13 +278,11 @@ class StagingPool:
                 if waited_since is None:
                     waited_since = now
                 if now - waited_since > _WAIT_BEFORE_NEW_SLAB_S:
-                    warnings.warn(
-                        f"fastdcp: the previous async save still holds its staging memory after "
+                    _warn_outside_pool(
+                        f"the previous async save still holds its staging memory after "
                         f"{_WAIT_BEFORE_NEW_SLAB_S:.0f} s; staging into a new slab of {size} bytes outside the "
-                        f"staging pool (cap {limit} bytes) instead of waiting longer. Wait for the previous "
-                        "save's future before the next save, or raise the cap with "
-                        f"fastdcp.set_staging_pool_limit(nbytes) or {LIMIT_ENV}.",
-                        stacklevel=4,
+                        f"staging pool (cap {limit} bytes) instead of waiting longer (waiting for the "
+                        "previous save's future before the next save keeps within the cap)"
                     )
                     slot = self._new_slot(key, size, pooled=False)
                     break
@@ -365,6 +361,16 @@ class StagingPool:
                 return
             if not self._in_use(slot):
                 self._drop(slot)
+
+
+def _warn_outside_pool(why: str) -> None:
+    """One warning for a stage that gets a slab outside the pool: ``why``, then how to raise the cap
+    (stacklevel: the caller of ``FastFileSystemWriter.stage``)."""
+    warnings.warn(
+        f"fastdcp: {why}. Raise the cap with fastdcp.set_staging_pool_limit(nbytes) or {LIMIT_ENV} "
+        "to reuse staging memory.",
+        stacklevel=5,
+    )
 
 
 _POOL = StagingPool()

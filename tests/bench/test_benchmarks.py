@@ -174,19 +174,12 @@ print(json.dumps({{"jobs": [{{rw: {{"bw_bytes": bw}}}}]}}))
 
 
 @pytest.mark.parametrize("no_direct", [False, True])
-def test_fio_probe_parses_json_and_falls_back_to_buffered(tmp_path, monkeypatch, no_direct):
+def test_fio_probe_parses_json_and_falls_back_to_buffered(fake_fio, monkeypatch, no_direct):
     from benchmarks.limits import probe_storage
 
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    fio = bindir / "fio"
-    fio.write_text(_FAKE_FIO.format(python=sys.executable))
-    fio.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    data = fake_fio(_FAKE_FIO)
     if no_direct:
         monkeypatch.setenv("FAKE_FIO_NO_DIRECT", "1")
-    data = tmp_path / "data"
-    data.mkdir()
     lim = probe_storage(str(data), 8 << 20, [(1 << 20, 2)], method="auto")
     scale = 1 if no_direct else 2
     assert lim.write_gibps == pytest.approx(3 * scale) and lim.read_gibps == pytest.approx(5 * scale)

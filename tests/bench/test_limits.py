@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 import pytest
 
@@ -243,17 +242,10 @@ print(json.dumps({{"jobs": [{{args["rw"]: {{"bw_bytes": bw * n}}}}]}}))
 
 
 @pytest.mark.parametrize("multi_fails", [False, True])
-def test_fio_probe_with_separate_files_per_job(tmp_path, monkeypatch, multi_fails):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    fio = bindir / "fio"
-    fio.write_text(_FAKE_FIO.format(python=sys.executable))
-    fio.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+def test_fio_probe_with_separate_files_per_job(fake_fio, monkeypatch, multi_fails):
+    data = fake_fio(_FAKE_FIO)
     if multi_fails:
         monkeypatch.setenv("FAKE_FIO_NO_MULTI", "1")
-    data = tmp_path / "data"
-    data.mkdir()
     lim = probe_storage(str(data), 64 * MiB, [(8 * MiB, 1)], method="auto")
     assert not list(data.iterdir()), "probe files left behind"
     assert all(r.method.startswith("fio") for r in lim.runs)
