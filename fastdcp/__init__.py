@@ -27,6 +27,8 @@ from .format.checksums import ChecksumError
 from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
 from .load.reader import FastFileSystemReader
 from .planners import FastLoadPlanner, FastSavePlanner
+from .save.async_staging import StagingFuture, StagingReport, wait_for_staging
+from .save.guard import StagingGuard, guard
 from .save.staging_pool import StagingPoolStats, release_staging, set_staging_pool_limit, staging_pool_stats
 from .save.writer import FastFileSystemWriter
 
@@ -45,6 +47,11 @@ __all__ = [
     "release_staging",
     "staging_pool_stats",
     "StagingPoolStats",
+    "guard",
+    "StagingGuard",
+    "StagingFuture",
+    "StagingReport",
+    "wait_for_staging",
     "build_info",
     "__version__",
 ]

@@ -64,6 +64,14 @@ class CudaCopier:
             events.append(event)
         return events
 
+    def order_current_streams_after(self) -> None:
+        """Make each device's current stream wait (on the device, not the host) for the copies
+        enqueued so far: kernels queued next cannot change what those copies read."""
+        for device, stream in self._streams.items():
+            event = torch.cuda.Event()
+            event.record(stream)
+            torch.cuda.current_stream(device).wait_event(event)
+
     def wait(self, token: list[torch.cuda.Event]) -> None:
         for event in token:
             event.synchronize()

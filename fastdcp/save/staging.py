@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import io
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import torch
 
 from ..format.blob import is_plain_dense
 from ..io.host_memory import PAGE, HostSlab
+from .async_staging import StagingFuture, StagingReport, StagingSession, storage_key
 from .device_ring import CudaCopier
 from .staging_pool import StagingLease, staging_pool
 
@@ -165,6 +167,47 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
         copier.wait(copier.record())
 
 
+@dataclass
+class _Stage:
+    """One stage of a stager: its slab's lease and, when overlapped, its session."""
+
+    lease: StagingLease
+    session: StagingSession | None = None
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        return (self.session is not None and self.session.holds(tensor)) or self.lease.holds(tensor)
+
+    @property
+    def active(self) -> bool:
+        return self.lease.in_use or (self.session is not None and not self.session.future.done())
+
+
+def _fits(sources: list[torch.Tensor], guarded: frozenset[int], budget: int | None) -> list[bool]:
+    """Which sources go into the slab: in traversal order while the slab stays within ``budget``
+    (every one without a budget); guarded buffers always (they are small and change in forward)."""
+    if budget is None:
+        return [True] * len(sources)
+    fits, used = [], 0
+    for t in sources:
+        size = t.numel() * t.element_size()
+        align = PAGE if size >= PAGE else _SMALL_ALIGN
+        end = -(-used // align) * align + size
+        keep = end <= budget or (guarded and storage_key(t) in guarded)
+        if keep:
+            used = end
+        fits.append(keep)
+    return fits
+
+
+def _raw_box(view: torch.Tensor, source: torch.Tensor) -> tuple | None:
+    """A byte-copy descriptor for the engine's ``box_copy`` when ``source`` is a plain contiguous
+    host tensor (else None: torch copies it)."""
+    if source.device.type != "cpu" or not source.is_contiguous() or source.is_conj() or source.is_neg():
+        return None
+    nbytes = source.numel() * source.element_size()
+    return (source.data_ptr(), view.data_ptr(), -1, -1, 1, 1, [nbytes], [1], [1])
+
+
 class StateDictStager:
     """A writer's stager: stages into slabs of the process-wide pool and keeps the leases of its
     own stages, so that its ``write_data`` releases exactly the slab its save read (see the module
@@ -173,8 +216,9 @@ class StateDictStager:
     def __init__(self, prefer_shared: bool | None = None) -> None:
         self.prefer_shared = prefer_shared  # allocate_slab's: None = shared memory only when pinned
         self._lock = threading.Lock()
-        self._leases: list[StagingLease] = []  # this stager's stages whose slab may still be read
+        self._stages: list[_Stage] = []  # this stager's stages whose slab may still be read
         self._last_slab: weakref.ref | None = None
+        self.last_report: StagingReport | None = None
         self.slabs_allocated = 0  # for tests: how many of this stager's stages needed a new slab
 
     @property
@@ -182,61 +226,171 @@ class StateDictStager:
         """The slab of the latest stage, while the pool keeps it (tests, diagnostics)."""
         return self._last_slab() if self._last_slab is not None else None
 
-    def stage(self, state_dict: Any) -> Any:
-        found = list(_slab_tensors(state_dict))
-        sources = [tensor for tensor, _ in found]
-        paths = [path for _, path in found]
-        layout = StagingLayout.for_tensors(sources)
+    def _lease_views(self, fit_sources: list[torch.Tensor]) -> tuple[StagingLease, list[torch.Tensor]]:
+        layout = StagingLayout.for_tensors(fit_sources)
         with self._lock:
             self._prune()
         lease = staging_pool().acquire(
             layout.nbytes, (layout.signature, self.prefer_shared), prefer_shared=self.prefer_shared
         )
+        slab = lease.slab
+        views = [
+            slab.view(offset, t.numel() * t.element_size(), t.dtype, t.shape)
+            for offset, t in zip(layout.offsets, fit_sources)
+        ]
+        return lease, views
+
+    def _remember(self, stage: _Stage, report: StagingReport) -> None:
+        with self._lock:
+            self._stages.append(stage)
+            self._last_slab = weakref.ref(stage.lease.slab)
+            self.slabs_allocated += stage.lease.fresh
+            self.last_report = report
+
+    def stage(self, state_dict: Any) -> Any:
+        """Copy ``state_dict`` into a slab and return the staged copy, complete."""
+        t0 = time.perf_counter()
+        found = list(_slab_tensors(state_dict))
+        sources = [tensor for tensor, _ in found]
+        paths = [path for _, path in found]
+        lease, views = self._lease_views(sources)
         try:
-            slab = lease.slab
             with torch.no_grad():
-                views = [
-                    slab.view(offset, t.numel() * t.element_size(), t.dtype, t.shape)
-                    for offset, t in zip(layout.offsets, sources)
-                ]
                 _copy_into(views, sources, paths)
                 staged = _rebuild(state_dict, iter(views))
         except BaseException:
             lease.release()
             raise
         lease.hold(views)
-        with self._lock:
-            self._leases.append(lease)
-            self._last_slab = weakref.ref(slab)
-            self.slabs_allocated += lease.fresh
+        nbytes = sum(t.numel() * t.element_size() for t in sources)
+        elapsed = time.perf_counter() - t0
+        report = StagingReport(nbytes, nbytes, 0, lease.slab.nbytes, elapsed, elapsed)
+        self._remember(_Stage(lease), report)
         return staged
+
+    def stage_overlapped(
+        self, state_dict: Any, engine: Any, budget: int | None = None, guarded: frozenset[int] = frozenset()
+    ) -> StagingFuture:
+        """Start staging ``state_dict`` and return its Future at once (see
+        :mod:`fastdcp.save.async_staging`): guarded buffers are copied and device copies enqueued
+        in the call, host copies run on ``engine``'s threads behind it; with ``budget``, tensors
+        beyond it are streamed by the save from live memory."""
+        t0 = time.perf_counter()
+        found = list(_slab_tensors(state_dict))
+        sources = [tensor.detach() for tensor, _ in found]
+        paths = [path for _, path in found]
+        fits = _fits(sources, guarded, budget)
+        lease, views = self._lease_views([s for s, keep in zip(sources, fits) if keep])
+        try:
+            with torch.no_grad():
+                pending = iter(views)
+                tensors = [next(pending) if keep else source for source, keep in zip(sources, fits)]
+                host_boxes, host_copies, device_copies, guarded_device = [], [], [], []
+                for view, source, path, keep in zip(tensors, sources, paths, fits):
+                    if not keep:
+                        continue
+                    is_guarded = bool(guarded) and storage_key(source) in guarded
+                    if source.device.type == "cuda":
+                        (guarded_device if is_guarded else device_copies).append((view, source, path))
+                    elif is_guarded:
+                        _copy_into([view], [source], [path])  # now: forward changes it next
+                    else:
+                        box = _raw_box(view, source)
+                        if box is None:
+                            host_copies.append((view, source, path))
+                        elif box[6][0] > 0:
+                            host_boxes.append(box)
+                copier = CudaCopier() if guarded_device or device_copies else None
+                if guarded_device:
+                    # Forward changes them next: the current streams wait for their copies (the
+                    # host does not).
+                    _enqueue_device_copies(copier, guarded_device)
+                    copier.order_current_streams_after()
+                _enqueue_device_copies(copier, device_copies)
+                token = copier.record() if copier is not None else None
+                staged = _rebuild(state_dict, iter(tensors))
+        except BaseException:
+            lease.release()
+            raise
+        lease.hold(views)
+        streamed = [i for i, keep in enumerate(fits) if not keep]
+        sizes = [t.numel() * t.element_size() for t in sources]
+        streamed_bytes = sum(sizes[i] for i in streamed)
+        report = StagingReport(
+            state_bytes=sum(sizes),
+            snapshot_bytes=sum(sizes) - streamed_bytes,
+            streamed_bytes=streamed_bytes,
+            peak_host_bytes=lease.slab.nbytes,
+            blocked_s=time.perf_counter() - t0,
+            overlapped=True,
+        )
+        keys = frozenset(storage_key(s) for s in sources) - {0}
+        session = StagingSession(staged, tensors, streamed, keys, report, _rebuild)
+        self._remember(_Stage(lease, session), report)
+
+        def copy() -> None:
+            if host_boxes:
+                engine.box_copy(host_boxes)
+            with torch.no_grad():
+                for view, source, path in host_copies:
+                    _copy_into([view], [source], [path])
+            if copier is not None:
+                copier.wait(token)
+
+        session.run_copies(copy)
+        report.blocked_s = time.perf_counter() - t0
+        return session.future
 
     def release(self, staged: Any = None) -> None:
         """A save that read a staged state dict has finished reading it (called by the writer's
-        ``write_data``). ``staged``: that save's state dict (the planner's), which names the lease
-        to release: the one whose slab holds its tensors, none if they are not from this stager.
-        Without it, the only lease still in use is released (none when there are several: their
-        views going away frees them)."""
+        ``write_data``). ``staged``: that save's state dict (the planner's), which names the stage
+        to release: the one whose slab (or session) holds its tensors, none if they are not from
+        this stager. Without it, the only stage still in use is released (none when there are
+        several: their views going away frees them). An overlapped stage's streamed tensors count
+        as written from then on."""
         with self._lock:
             self._prune()
-            lease = None
+            found = None
             if staged is not None:
                 first = next(_slab_tensors(staged), None)
                 if first is not None:
-                    lease = next((candidate for candidate in self._leases if candidate.holds(first[0])), None)
-            elif len(self._leases) == 1:
-                lease = self._leases[0]
-            if lease is not None:
-                self._leases.remove(lease)
-        if lease is not None:
-            lease.release()
+                    found = next((stage for stage in self._stages if stage.matches(first[0])), None)
+            elif len(self._stages) == 1:
+                found = self._stages[0]
+            if found is not None:
+                self._stages.remove(found)
+        if found is not None:
+            found.lease.release()
+            if found.session is not None:
+                found.session.streamed_written()
+
+    def latest_future(self) -> StagingFuture | None:
+        """The Future of this stager's latest overlapped stage still tracked (None: none)."""
+        with self._lock:
+            for stage in reversed(self._stages):
+                if stage.session is not None:
+                    return stage.session.future
+        return None
 
     def close(self) -> None:
         """Forget this stager's leases without releasing them: a save still in flight keeps its
         slab until its views go away; the pool keeps idle slabs for the next writer."""
         with self._lock:
-            self._leases = []
+            self._stages = []
             self._last_slab = None
 
     def _prune(self) -> None:
-        self._leases = [lease for lease in self._leases if lease.in_use]
+        self._stages = [stage for stage in self._stages if stage.active]
+
+
+def _enqueue_device_copies(copier: CudaCopier | None, copies: list[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
+    """Enqueue device-to-host copies on the copier's side streams (ordered after the current
+    streams); nothing waits here. A tensor that cannot be copied is an error naming it."""
+    for view, source, path in copies:
+        try:
+            copier.copy(view, source)
+        except (RuntimeError, NotImplementedError) as error:
+            raise RuntimeError(
+                f"fastdcp: cannot stage '{path}' ({source.dtype}, shape {tuple(source.shape)}, on "
+                f"{source.device}) for async_save: {error}"
+            ) from error

@@ -40,13 +40,15 @@ from torch.futures import Future
 from .. import _C
 from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
-from ..io.engine import DIRECT_ALIGN, IoOptions, env_flag, get_engine
+from ..io.engine import DIRECT_ALIGN, IoOptions, env_flag, env_int, get_engine
 from ..io.gc import gc_paused
 from .commit import commit_metadata, new_token, remove_partial_files, remove_unreferenced, unused_prefix
 from .crash_points import crash_point
 from .device_ring import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
 from .file_split import split_into_files
+from .async_staging import StagingFuture, StagingReport
+from .guard import guarded_storage_keys
 from .staging import StateDictStager
 
 try:  # torch >= 2.7
@@ -121,6 +123,8 @@ class FastFileSystemWriter(FileSystemWriter):
         task_bytes: int | None = None,
         checksums: bool | None = None,
         memory_budget_bytes: int | None = None,
+        async_staging: bool | None = None,
+        staging_budget_bytes: int | None = None,
     ) -> None:
         if thread_count is not None and (
             not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1
@@ -163,6 +167,20 @@ class FastFileSystemWriter(FileSystemWriter):
         env_checksums = env_flag("FASTDCP_CHECKSUMS")
         self.checksums = bool(checksums if checksums is not None else (env_checksums or False))
         self._stager: StateDictStager | None = None  # created by the first stage(); never pickled
+        env_async = env_flag("FASTDCP_ASYNC_STAGING")
+        if async_staging is not None and not isinstance(async_staging, bool):
+            raise TypeError(f"async_staging must be a bool or None, got {async_staging!r}")
+        self.async_staging = bool(async_staging if async_staging is not None else (env_async or False))
+        if staging_budget_bytes is None:
+            staging_budget_bytes = env_int("FASTDCP_STAGING_BUDGET_BYTES")
+        elif not isinstance(staging_budget_bytes, int) or isinstance(staging_budget_bytes, bool) or staging_budget_bytes < 0:
+            raise ValueError(f"staging_budget_bytes must be an int >= 0 or None, got {staging_budget_bytes!r}")
+        if staging_budget_bytes is not None and not self.async_staging:
+            raise ValueError(
+                "staging_budget_bytes needs async_staging=True (FASTDCP_ASYNC_STAGING=1): a blocking stage "
+                "always copies the whole state"
+            )
+        self.staging_budget_bytes = staging_budget_bytes
 
     def __getstate__(self) -> dict[str, Any]:
         # Process-mode async_save pickles the writer into the background process: its staging
@@ -176,15 +194,32 @@ class FastFileSystemWriter(FileSystemWriter):
     # ----------------------------------------------------------------------------------------- #
     # Async staging (AsyncStager protocol, used by dcp.async_save).
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into a slab of the process-wide staging pool and return the staged
-        copy; returns once every byte is staged, so the caller may modify its tensors right away."""
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | StagingFuture:
+        """Copy ``state_dict`` into a slab of the process-wide staging pool.
+
+        Blocking (default): returns the staged copy once every byte is staged, so the caller may
+        modify its tensors right away. With ``async_staging``: returns a Future at once (DCP's
+        protocol: ``dcp.async_save`` then returns ``AsyncSaveResponse``), the copies run behind the
+        call, and the Future resolves when no byte of the checkpoint can change any more
+        (:mod:`fastdcp.save.async_staging`; :func:`fastdcp.guard` places the wait)."""
         if self._stager is None:
             self._stager = StateDictStager()
-        return self._stager.stage(state_dict)
+        if not self.async_staging:
+            return self._stager.stage(state_dict)
+        return self._stager.stage_overlapped(
+            state_dict, get_engine(self.io_options), self.staging_budget_bytes, guarded_storage_keys()
+        )
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` returns with the copy complete."""
+        """Wait until this writer's latest stage is complete (a blocking stage always is)."""
+        future = self._stager.latest_future() if self._stager is not None else None
+        if future is not None:
+            future.exception()  # waits; an error is the save's to report
+
+    @property
+    def last_staging_report(self) -> StagingReport | None:
+        """What this writer's latest stage did (bytes copied and streamed, host memory, times)."""
+        return self._stager.last_report if self._stager is not None else None
 
     def close(self) -> None:
         """Drop this writer's hold on staging memory. A save in flight keeps its slab until it ends;
