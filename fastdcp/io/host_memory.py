@@ -30,6 +30,7 @@ straight from the slab. With CUDA the slab is page-locked with ``cudaHostRegiste
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import weakref
@@ -88,6 +89,7 @@ class HostSlab:
     tensor: torch.Tensor
     pinned: bool
     pid: int = field(default_factory=os.getpid)
+    _flat: dict = field(default_factory=dict, repr=False, compare=False)  # dtype -> whole-slab view
 
     @property
     def kind(self) -> str:
@@ -103,8 +105,20 @@ class HostSlab:
         return self.tensor.data_ptr()
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """A contiguous tensor of ``dtype``/``shape`` over ``[offset, offset+nbytes)``."""
-        return self.tensor[offset : offset + nbytes].view(dtype).view(shape)
+        """A contiguous tensor of ``dtype``/``shape`` over ``[offset, offset+nbytes)``.
+        Precondition: ``offset`` is a multiple of the dtype's element size."""
+        flat = self._flat.get(dtype)
+        if flat is None:
+            flat = self._flat[dtype] = self.tensor.view(dtype)  # slabs are whole pages
+        item = flat.element_size()
+        if offset % item or nbytes != item * math.prod(shape):
+            raise ValueError(f"slab view at {offset} of {nbytes} bytes does not fit {dtype} {tuple(shape)}")
+        # One as_strided per tensor (a staged state has hundreds): ~4x cheaper than slice+view+view.
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= max(size, 1)
+        return flat.as_strided(shape, tuple(reversed(strides)), offset // item)
 
 
 def slab_bytes(nbytes: int) -> int:
