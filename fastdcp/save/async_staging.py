@@ -57,6 +57,9 @@ __all__ = [
 # 2.7-2.14). If torch moves it, streamed saves fall back to full snapshots (correct, slower).
 _DCP_THREAD_SAVE_MODULE = "torch.distributed.checkpoint._async_thread_executor"
 
+# DCP's save thread claims streamed tensors within milliseconds of the async_save call.
+_CLAIM_GRACE_S = 1.0
+
 _registry_lock = threading.Lock()
 _in_flight: list["StagingSession"] = []
 
@@ -105,7 +108,7 @@ class StagingFuture(Future):
         session = self._session
         if session.streams and not self.done():
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller == _DCP_THREAD_SAVE_MODULE:
+            if caller == _DCP_THREAD_SAVE_MODULE and session.bind_consumer():
                 return session.for_streaming_save(timeout)
             session.complete_snapshot()
         return super().result(timeout)
@@ -167,18 +170,26 @@ class StagingSession:
 
     # -- streamed tensors ----------------------------------------------------------------------- #
 
+    def bind_consumer(self) -> bool:
+        """Claim the streamed tensors for the calling thread's save (False: a full snapshot was
+        already claimed). A save that fails before its write_data never releases them: the
+        thread's end does (a watcher joins it)."""
+        consumer = threading.current_thread()
+        with self._lock:
+            if self._streamed_done or self._consumer is not None:
+                return False
+            self._consumer = consumer
+        threading.Thread(target=self._await_consumer, args=(consumer,), name="fastdcp-staging-watch", daemon=True).start()
+        return True
+
     def for_streaming_save(self, timeout: float | None) -> Any:
-        """DCP's thread-mode save asks for the staged state dict: hand it over once the slab part
-        is copied; the session completes when the save has written the streamed tensors."""
+        """The bound save asks for the staged state dict: hand it over once the slab part is
+        copied; the session completes when the save has written the streamed tensors."""
         if not self._copied.wait(timeout):
             raise TimeoutError("fastdcp: staging did not complete in time")
         if self._copy_error is not None:
+            self.streamed_written()
             raise self._copy_error
-        consumer = threading.current_thread()
-        with self._lock:
-            self._consumer = consumer
-        # A save that fails before its write_data never releases: its thread's end does.
-        threading.Thread(target=self._await_consumer, args=(consumer,), name="fastdcp-staging-watch", daemon=True).start()
         return self.staged
 
     def _await_consumer(self, consumer: threading.Thread) -> None:
@@ -238,8 +249,16 @@ class StagingSession:
             self.future.set_result(self.staged)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until complete; errors stay with the future (the save reports them)."""
+        """Wait until complete; errors stay with the future (the save reports them). Streamed
+        tensors that no save has claimed after ``_CLAIM_GRACE_S`` (a ``stage()`` nobody saves) are
+        copied here, so that nothing waits forever."""
         try:
+            if self.streams:
+                try:
+                    self.future.exception(_CLAIM_GRACE_S if timeout is None else min(timeout, _CLAIM_GRACE_S))
+                    return True
+                except TimeoutError:
+                    self.complete_snapshot()
             self.future.exception(timeout)
         except TimeoutError:
             return False

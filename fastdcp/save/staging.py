@@ -364,12 +364,12 @@ class StateDictStager:
             if found.session is not None:
                 found.session.streamed_written()
 
-    def latest_future(self) -> StagingFuture | None:
-        """The Future of this stager's latest overlapped stage still tracked (None: none)."""
+    def latest_session(self) -> StagingSession | None:
+        """This stager's latest overlapped stage still tracked (None: none)."""
         with self._lock:
             for stage in reversed(self._stages):
                 if stage.session is not None:
-                    return stage.session.future
+                    return stage.session
         return None
 
     def close(self) -> None:

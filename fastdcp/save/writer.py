@@ -212,9 +212,9 @@ class FastFileSystemWriter(FileSystemWriter):
 
     def synchronize_staging(self) -> None:
         """Wait until this writer's latest stage is complete (a blocking stage always is)."""
-        future = self._stager.latest_future() if self._stager is not None else None
-        if future is not None:
-            future.exception()  # waits; an error is the save's to report
+        session = self._stager.latest_session() if self._stager is not None else None
+        if session is not None:
+            session.wait()  # an error is the save's to report
 
     @property
     def last_staging_report(self) -> StagingReport | None:
