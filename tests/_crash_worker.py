@@ -138,7 +138,10 @@ def run_job(job: dict) -> None:
     into ``warmup_dir`` if given (so every lazily imported module is loaded while still root). ``scale``: see
     :func:`make_state`. ``thread_count``, ``use_collectives``, ``writer_kwargs`` go to the writer
     and ``dcp.save``. ``async``: save with ``dcp.async_save`` and overwrite the live tensors right
-    after it returns (notes get ``staged k`` then).
+    after it returns (notes get ``staged k`` then). ``wait_staging`` (with ``async``): the
+    overlapped-staging protocol (``async_staging=True`` in ``writer_kwargs``): notes get
+    ``called k`` when ``async_save`` returns, then the live tensors are overwritten only once its
+    ``staging_completion`` resolved (notes get ``staged k`` then).
     """
     warnings.filterwarnings("ignore")
     os.environ.update(job.get("env", {}))
@@ -171,6 +174,12 @@ def run_job(job: dict) -> None:
             # dcp.async_save: the staged copy is written in the background while the "training"
             # loop scribbles over the live tensors.
             future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+            if job.get("wait_staging"):
+                if notes:
+                    _note(notes, f"called {k}")
+                staging = getattr(future, "staging_completion", None)
+                if staging is not None:
+                    staging.result()
             if notes:
                 _note(notes, f"staged {k}")
             for value in state.values():

@@ -69,8 +69,9 @@ class StagingReport:
     """What one stage did. Bytes are tensor bytes; times in seconds from the ``stage()`` call.
 
     ``snapshot_bytes`` were copied into staging memory, ``streamed_bytes`` written by the save
-    straight from the live tensors (``staging_budget_bytes``), ``completed_bytes`` of those copied
-    after all because the consumer could not stream them (process mode). ``peak_host_bytes`` is
+    straight from the live tensors (``staging_budget_bytes``); ``completed_bytes`` of the snapshot
+    were meant to stream but were copied after all, because the consumer could not stream them
+    (process mode). ``peak_host_bytes`` is
     the host memory the stage held at once: its slab plus those late copies."""
 
     state_bytes: int
@@ -139,6 +140,7 @@ class StagingSession:
         self._copied = threading.Event()  # the slab part is complete
         self._copy_error: BaseException | None = None
         self._streamed_done = not streamed
+        self._snapshot_claimed = False  # complete_snapshot() took the streamed tensors over
         self._consumer: threading.Thread | None = None
         self._ids = {id(t) for t in tensors}
         self.future = StagingFuture(self)
@@ -176,7 +178,7 @@ class StagingSession:
         thread's end does (a watcher joins it)."""
         consumer = threading.current_thread()
         with self._lock:
-            if self._streamed_done or self._consumer is not None:
+            if self._streamed_done or self._snapshot_claimed or self._consumer is not None:
                 return False
             self._consumer = consumer
         threading.Thread(target=self._await_consumer, args=(consumer,), name="fastdcp-staging-watch", daemon=True).start()
@@ -208,11 +210,12 @@ class StagingSession:
         """A consumer that cannot stream (process mode, a user's ``result()``): copy the streamed
         tensors now, outside the budget, so that the staged state dict is a full snapshot."""
         with self._lock:
-            if self._streamed_done or self._consumer is not None:
+            if self._streamed_done or self._snapshot_claimed or self._consumer is not None:
                 return
-            self._streamed_done = True  # from here on nobody streams
-        if not self._copied.wait(None) or self._copy_error is not None:
-            self._maybe_finish()
+            self._snapshot_claimed = True  # from here on nobody streams
+        self._copied.wait(None)
+        if self._copy_error is not None:
+            self.streamed_written()
             return
         streamed = set(self._streamed)
         copies = []
@@ -225,13 +228,15 @@ class StagingSession:
         late = sum(t.numel() * t.element_size() for i, t in enumerate(copies) if i in streamed)
         self.staged = self._rebuild(self.staged, iter(copies))
         self.report.completed_bytes = late
+        self.report.snapshot_bytes += late
+        self.report.streamed_bytes -= late
         self.report.peak_host_bytes += late
         warnings.warn(
             f"fastdcp: staging_budget_bytes is honoured by thread-mode async_save only; this save's "
             f"consumer needed a full snapshot, so {late} bytes beyond the budget were copied",
             stacklevel=3,
         )
-        self._maybe_finish()
+        self.streamed_written()  # the staged state dict is a full snapshot now
 
     # -- completion ----------------------------------------------------------------------------- #
 
