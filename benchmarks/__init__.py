@@ -15,6 +15,10 @@ Run `python -m benchmarks --quick` (a few minutes) or `python -m benchmarks` (fu
 * scenarios  single-process scenarios (save, load, small + DCP floor, async + bare copy with one
              writer reused or a new writer per save (async_new_writer), gpu_save, gpu_load,
              gpu_async, --checkpoint)
+* training_loop  train_loop: a synthetic training loop (model + AdamW) with an async_save every
+             k steps: slowdown vs the same loop without checkpoints, blocked/staged/durable
+             times per checkpoint, peak host memory (stock_default, stock_zoc, fastdcp_blocking,
+             fastdcp_overlap)
 * reshard    multi-process DTensor resharding scenario (gloo)
 * results    result records, medians, ratios, fractions of the limits
 * report     terminal table, JSON, plot

@@ -13,7 +13,7 @@ from .systems import SYSTEM_NAMES, standin_requested
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer")
+CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "train_loop")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async")
 ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS
 QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer")
@@ -66,6 +66,11 @@ class BenchConfig:
     reshard_wheres: list[str] = field(default_factory=lambda: ["dir", "shm"])
     small_wheres: list[str] = field(default_factory=lambda: ["dir", "shm"])
     async_wheres: list[str] = field(default_factory=lambda: ["dir", "shm"])
+    train_steps: int = 24                   # train_loop: steps per loop
+    train_every: int = 4                    # train_loop: an async_save every this many steps
+    train_step_ms: float = 100.0            # train_loop: the batch is calibrated to this step time
+    train_batch: int | None = None          # train_loop: fixed batch instead of calibrating
+    train_wheres: list[str] = field(default_factory=lambda: ["dir"])
     probe_bytes: int = 1 * GiB
     probe_configs: list[tuple[int, int]] = field(
         default_factory=lambda: [(1 * MiB, 1), (1 * MiB, 4), (8 * MiB, 1), (8 * MiB, 4)])
@@ -129,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async saves per system and mode: `async` reuses one writer object, "
                         "`async_new_writer` makes a new one per save "
                         "(default --repeats + 1; the first is reported separately)")
+    p.add_argument("--train-steps", type=int,
+                   help="train_loop: training steps per loop (default 24, quick 12)")
+    p.add_argument("--train-every", type=int,
+                   help="train_loop: an async_save every N steps (default 4, quick 3)")
+    p.add_argument("--train-step-ms", type=float,
+                   help="train_loop: step time the batch is calibrated to (default 100)")
+    p.add_argument("--train-batch", type=int,
+                   help="train_loop: this batch instead of calibrating one (min 2)")
     p.add_argument("--reshard-size", type=parse_size,
                    help="state size for `reshard` (default --size; quick: --size/4 with 32 instead "
                         "of 300 norm vectors)")
@@ -162,6 +175,7 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.probe_bytes = 256 * MiB
         c.probe_configs = [(8 * MiB, 1), (1 * MiB, 4)]
         c.memcpy_bytes = 256 * MiB
+        c.train_steps, c.train_every = 12, 3
         if torch.cuda.is_available():
             c.scenarios += list(GPU_SCENARIOS)
     elif torch.cuda.is_available():
@@ -219,6 +233,22 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if a.async_saves < 1:
             parser.error("--async-saves must be >= 1")
         c.async_saves = a.async_saves
+    if a.train_steps is not None:
+        if a.train_steps < 1:
+            parser.error("--train-steps must be >= 1")
+        c.train_steps = a.train_steps
+    if a.train_every is not None:
+        if a.train_every < 1:
+            parser.error("--train-every must be >= 1")
+        c.train_every = a.train_every
+    if a.train_step_ms is not None:
+        if a.train_step_ms <= 0:
+            parser.error("--train-step-ms must be > 0")
+        c.train_step_ms = a.train_step_ms
+    if a.train_batch is not None:
+        if a.train_batch < 2:
+            parser.error("--train-batch must be >= 2 (BatchNorm1d in training mode)")
+        c.train_batch = a.train_batch
     c.dir, c.shm = a.dir, not a.no_shm
     c.json_path, c.plot_path, c.checkpoint = a.json_path, a.plot_path, a.checkpoint
     c.probe_method, c.cold_method, c.keep = a.probe_method, a.cold_method, a.keep

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .limits import Limits
@@ -33,6 +34,11 @@ BASELINE_POLICY = (
     "with a storage that does no I/O, DCP's default planners; dcp_floor_planners: with "
     "fastdcp's planners, the floor of fastdcp_planners); async 'blocked' -> median seconds / "
     "the bare copy of the same bytes into preallocated host buffers (bare_copy).")
+
+
+# Scenarios reported in a table of their own instead of the GiB/s table (their rows are times
+# and slowdowns, for which GiB/s means nothing).
+OWN_TABLE_SCENARIOS = ("train_loop",)
 
 
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -75,6 +81,9 @@ def table_lines(results: list[Result]) -> list[str]:
     cols = ["scenario", "config", "where", "system", "GiB/s median [min-max]", "s (med)",
             "vs stock", "vs best", "vs floor/bare", "of limit"]
     rows: list[list[str]] = []
+    results = [r for r in results if r.scenario not in OWN_TABLE_SCENARIOS]
+    if not results:
+        return []
     for r in results:
         gib = "-" if r.gibps is None else f"{r.gibps:6.2f} [{r.gibps_min:.2f}-{r.gibps_max:.2f}]"
         lim = "-" if r.fraction_of_limit is None else f"{100 * r.fraction_of_limit:4.0f}% {r.limit}"
@@ -202,6 +211,123 @@ def reader_stats_lines(results: list[Result]) -> list[str]:
     return ["reader stats (fastdcp FastFileSystemReader.last_stats, last repeat):", *out] if out else []
 
 
+@dataclass
+class TrainLoopRow:
+    """One system of a train_loop case (target x device): medians over repeats (loop, slowdown)
+    or over all checkpoints of all repeats (staged, durable), the mean and max of `blocked`,
+    the highest peak of host memory."""
+    where: str
+    device: str
+    system: str
+    repeats: int
+    checkpoints_per_loop: int
+    steps: int | None
+    every: int | None
+    batch: int | None
+    step_ms: float | None             # calibrated step time, before the loops
+    loop_s: float
+    slowdown_s: float | None = None
+    slowdown_pct: float | None = None  # median of (loop / no_ckpt loop of the same repeat - 1)
+    # fastest loop / fastest no_ckpt loop - 1: other processes only ever slow a loop down, so on a
+    # busy machine the best-of ratio is the less disturbed estimate
+    slowdown_best_pct: float | None = None
+    blocked_ms_mean: float | None = None
+    blocked_ms_max: float | None = None
+    in_call_ms_max: float | None = None
+    waited_prev_ms_max: float | None = None
+    step_wait_ms_max: float | None = None
+    staged_ms: float | None = None
+    durable_s: float | None = None
+    drain_s: float | None = None
+    peak_host_gib: float | None = None
+    peak_above_start_gib: float | None = None
+    others_cpu_pct_max: float | None = None  # other processes' share of the CPUs, worst loop
+
+
+def train_loop_rows(results: list[Result]) -> list[TrainLoopRow]:
+    from .training_loop import NO_CKPT, SCENARIO, TRAIN_SYSTEMS
+
+    order = {n: i for i, n in enumerate((NO_CKPT, *TRAIN_SYSTEMS))}
+    by: dict[tuple[str, str, str], dict[str, Result]] = {}
+    for r in results:
+        if r.scenario == SCENARIO:
+            by.setdefault((r.where, r.config.get("device", "cpu"), r.system), {})[r.config["metric"]] = r
+    rows: list[TrainLoopRow] = []
+    fastest_base = {(w, d): min(m["loop"].seconds) for (w, d, s), m in by.items()
+                    if s == NO_CKPT and "loop" in m and m["loop"].seconds}
+    for (where, device, system), m in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                         order.get(kv[0][2], 99))):
+        loop = m.get("loop")
+        if loop is None:
+            continue
+        ex = loop.extra
+        first = lambda k: (ex.get(k) or [None])[0]  # noqa: E731
+        med = lambda name: statistics.median(m[name].seconds) if name in m and m[name].seconds else None  # noqa: E731
+        mx = lambda name: max(m[name].seconds) if name in m and m[name].seconds else None  # noqa: E731
+        ms = lambda x: None if x is None else 1e3 * x  # noqa: E731
+        row = TrainLoopRow(
+            where=where, device=device, system=system, repeats=len(loop.seconds),
+            checkpoints_per_loop=int(first("checkpoints") or 0), steps=first("steps"), every=first("every"),
+            batch=first("batch"), step_ms=ms(first("calibrated_step_seconds")),
+            loop_s=statistics.median(loop.seconds),
+            drain_s=statistics.median(ex["drain_seconds"]) if ex.get("drain_seconds") else None,
+            peak_host_gib=max(ex["peak_host_bytes"]) / 2**30 if ex.get("peak_host_bytes") else None,
+            peak_above_start_gib=max(ex["peak_above_start_bytes"]) / 2**30
+            if ex.get("peak_above_start_bytes") else None)
+        shares = [x for x in ex.get("others_cpu_share", []) if x is not None]
+        row.others_cpu_pct_max = 100 * max(shares) if shares else None
+        if "slowdown" in m:
+            row.slowdown_s = med("slowdown")
+            row.slowdown_pct = 100 * (statistics.median(m["slowdown"].extra["ratio"]) - 1)
+            if (where, device) in fastest_base:
+                row.slowdown_best_pct = 100 * (min(loop.seconds) / fastest_base[(where, device)] - 1)
+        if "blocked" in m:
+            b = m["blocked"]
+            row.blocked_ms_mean = 1e3 * statistics.mean(b.seconds)
+            row.blocked_ms_max = 1e3 * max(b.seconds)
+            row.in_call_ms_max = 1e3 * max(b.extra["in_call"])
+        row.waited_prev_ms_max, row.step_wait_ms_max = ms(mx("waited_prev")), ms(mx("step_wait"))
+        row.staged_ms, row.durable_s = ms(med("staged")), med("durable")
+        rows.append(row)
+    return rows
+
+
+def train_loop_lines(results: list[Result]) -> list[str]:
+    """The train_loop table: per system, the loop's time and slowdown against the same loop
+    without checkpoints, blocked time per checkpoint, staged and durable times, peak host memory."""
+    rows = train_loop_rows(results)
+    if not rows:
+        return []
+    cols = ["target", "system", "loop s", "slowdown", "best-of", "blocked ms mean/max", "call ms max",
+            "waited_prev ms max", "step_wait ms max", "staged ms", "durable s", "peak host GiB (+start)",
+            "others CPU%"]
+    cells = [[f"{r.where}/{r.device}", r.system, f"{r.loop_s:.3f}",
+              "-" if r.slowdown_pct is None else f"{r.slowdown_pct:+.1f}% ({r.slowdown_s:+.3f} s)",
+              "-" if r.slowdown_best_pct is None else f"{r.slowdown_best_pct:+.1f}%",
+              "-" if r.blocked_ms_mean is None else f"{r.blocked_ms_mean:.1f} / {r.blocked_ms_max:.1f}",
+              _f(r.in_call_ms_max, "{:.1f}"), _f(r.waited_prev_ms_max, "{:.1f}"), _f(r.step_wait_ms_max, "{:.1f}"),
+              _f(r.staged_ms, "{:.1f}"), _f(r.durable_s, "{:.3f}"),
+              "-" if r.peak_host_gib is None else f"{r.peak_host_gib:.2f} (+{r.peak_above_start_gib:.2f})",
+              _f(r.others_cpu_pct_max, "{:.0f}")]
+             for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
+    r0 = rows[0]
+    per_loop = max(r.checkpoints_per_loop for r in rows)
+    head = [
+        f"train_loop: {r0.steps} steps, an async_save every {r0.every} ({per_loop} checkpoints per loop, each "
+        f"into a new directory with a new writer), batch {r0.batch}, step {_f(r0.step_ms, '{:.0f}')} ms, "
+        f"{r0.repeats} repeat(s) interleaved with no_ckpt (the same loop without checkpoints).",
+        "  loop = the steps + the wait for the last upload (drain); slowdown = median of loop / no_ckpt loop of "
+        "the same repeat - 1; best-of = fastest loop / fastest no_ckpt loop - 1.",
+        "  blocked = waited_prev (for the previous upload, at the next checkpoint) + in the async_save call (call) + "
+        "step_wait (for staging, before optimizer.step); staged / durable = medians from the call; peak host "
+        "= highest VmHWM (+ above the RSS at the loop's start); others CPU = user CPU of other processes "
+        "during a loop, as a share of all CPUs (worst loop): above a few %, the loop times are disturbed.",
+    ]
+    return [*head, fmt(cols), fmt(["-" * w for w in widths]), *(fmt(c) for c in cells)]
+
+
 def print_report(lines: list[str], stream=None) -> None:
     print("\n".join(lines), file=stream or sys.stdout, flush=True)
 
@@ -225,6 +351,7 @@ def write_json(path: str, machine: dict[str, Any], limits: Limits | None, result
         "limit_policy": LIMIT_POLICY,
         "notes": notes,
         "results": [r.to_json() for r in results],
+        "train_loop": [asdict(row) for row in train_loop_rows(results)],
     }
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
@@ -241,6 +368,9 @@ def write_plot(path: str, results: list[Result], limits: Limits | None, system_o
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib): no plot written"
     scenarios: list[str] = []
+    results = [r for r in results if r.scenario not in OWN_TABLE_SCENARIOS]
+    if not results:
+        return "no GiB/s results to plot (train_loop has a table of its own): no plot written"
     for r in results:
         if r.scenario not in scenarios:
             scenarios.append(r.scenario)

@@ -19,7 +19,7 @@ from .pagecache import choose_cold_method
 from .floor import BASELINE_SYSTEMS
 from .peers import prepare_peers, resolve_peers
 from .report import (header_lines, peer_lines, print_report, reader_stats_lines, run_description,
-                     sort_for_report, summary_lines, table_lines, write_json, write_plot)
+                     sort_for_report, summary_lines, table_lines, train_loop_lines, write_json, write_plot)
 from .reshard import run_reshard
 from .results import Recorder, finalize
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
@@ -94,6 +94,9 @@ def _run(cfg: BenchConfig, ctx: Context) -> int:
         elif scen == "small":
             run_small(ctx, [w for w in c.small_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "small")
+        elif scen == "train_loop":
+            SINGLE_PROCESS[scen](ctx, [w for w in c.train_wheres if w in ctx.targets] or ["dir"])
+            _release(ctx, "train")
         elif scen in ASYNC_SCENARIOS:
             SINGLE_PROCESS[scen](ctx, [w for w in c.async_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "async")
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         results = sort_for_report(finalize(ctx.recorder.results, limits), order)
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
         print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",
-                      *peer_lines(results), "", *reader_stats_lines(results)])
+                      *peer_lines(results), "", *reader_stats_lines(results), "", *train_loop_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)
             progress(f"wrote {cfg.json_path}")

@@ -1,6 +1,7 @@
 """Single-process scenarios: save, load (cold/warm), small tensors (with DCP's floor), async
 save (blocked vs durable time, against a bare copy; one writer reused, or a new writer per save),
-GPU variants, and loads of a user's existing checkpoint. The peers (peers.py: torch.save,
+GPU variants, loads of a user's existing checkpoint, and (training_loop.py) a training loop with
+an async_save every k steps. The peers (peers.py: torch.save,
 safetensors, torchsnapshot, nvidia-resiliency-ext) run in the save loop and, where they have a
 load of their own, in the load loop, interleaved with the DCP systems.
 
@@ -817,6 +818,14 @@ def run_checkpoint_load(ctx: Context, checkpoint: str, dir_where: str | None) ->
                 _log(ctx, "load", "ckpt", system.name, cache, rep, dt, nbytes)
 
 
+def run_train_loop(ctx: Context, wheres: list[str]) -> None:
+    """training_loop.py: a training loop with an async_save every k steps (imported here, on
+    use, because it builds on this module)."""
+    from .training_loop import run_train_loop as run
+
+    run(ctx, wheres)
+
+
 SINGLE_PROCESS = {
     "save": run_save,
     "load": run_load,
@@ -826,4 +835,5 @@ SINGLE_PROCESS = {
     "gpu_save": run_gpu_save,
     "gpu_load": run_gpu_load,
     "gpu_async": run_gpu_async,
+    "train_loop": run_train_loop,
 }
