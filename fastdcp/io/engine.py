@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .. import _C
 
-__all__ = ["IoOptions", "get_engine", "env_flag", "DIRECT_ALIGN"]
+__all__ = ["IoOptions", "get_engine", "env_flag", "default_copy_threads", "DIRECT_ALIGN"]
 
 DIRECT_ALIGN: int = int(_C.build_info()["direct_align"])
 
@@ -53,6 +53,14 @@ def default_io_threads() -> int:
     """Enough requests in flight to keep a device queue busy (workers mostly wait on I/O, so even a
     2-core host wants 4), without oversubscribing large hosts."""
     return max(4, min(8, os.cpu_count() or 4))
+
+
+def default_copy_threads() -> int:
+    """Threads for host copies that run behind training (overlapped staging): half the cores, at
+    most 4. Memory copies saturate bandwidth with few threads, and every thread more takes a core
+    from the training loop the copy overlaps with (on 2 cores, 4 copy threads starved the
+    ``async_save`` call itself)."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from torch.futures import Future
 from .. import _C
 from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
-from ..io.engine import DIRECT_ALIGN, IoOptions, env_flag, get_engine
+from ..io.engine import DIRECT_ALIGN, IoOptions, default_copy_threads, env_flag, get_engine
 from ..io.gc import gc_paused
 from .commit import commit_metadata, new_token, remove_partial_files, remove_unreferenced, unused_prefix
 from .crash_points import crash_point
@@ -221,8 +221,9 @@ class FastFileSystemWriter(FileSystemWriter):
             self._stager = StateDictStager()
         if not self.async_staging:
             return self._stager.stage(state_dict)
+        copy_engine = get_engine(dataclasses.replace(self.io_options, io_threads=default_copy_threads()))
         return self._stager.stage_overlapped(
-            state_dict, get_engine(self.io_options), self.staging_budget_bytes, guarded_storage_keys()
+            state_dict, copy_engine, self.staging_budget_bytes, guarded_storage_keys()
         )
 
     def synchronize_staging(self) -> None:
