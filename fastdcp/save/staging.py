@@ -328,7 +328,9 @@ class StateDictStager:
         session = StagingSession(staged, tensors, streamed, keys, report, _rebuild)
         self._remember(_Stage(lease, session), report)
 
-        def copy() -> None:
+        def copy(keep_alive: tuple = (sources, views)) -> None:
+            # host_boxes hold raw addresses: the sources and the slab views must outlive the copy
+            # even if the caller drops its state dict meanwhile (keep_alive holds them).
             if host_boxes:
                 engine.box_copy(host_boxes)
             with torch.no_grad():
