@@ -18,7 +18,7 @@ Run `python -m benchmarks --quick` (a few minutes) or `python -m benchmarks` (fu
 * training_loop  train_loop: a synthetic training loop (model + AdamW) with an async_save every
              k steps: slowdown vs the same loop without checkpoints, blocked/staged/durable
              times per checkpoint, peak host memory (stock_default, stock_zoc, fastdcp_blocking,
-             fastdcp_overlap)
+             fastdcp_overlap, fastdcp_overlap_budget)
 * reshard    multi-process DTensor resharding scenario (gloo)
 * results    result records, medians, ratios, fractions of the limits
 * report     terminal table, JSON, plot

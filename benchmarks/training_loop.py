@@ -46,7 +46,10 @@ Systems (each only when available; otherwise a note says why):
 * ``fastdcp_blocking``: ``fastdcp.FastFileSystemWriter(path)`` (returns once staged);
 * ``fastdcp_overlap``: ``FastFileSystemWriter(path, async_staging=True)`` with one
   ``fastdcp.guard(optimizer, model)`` for the whole loop (removed after it); the loop itself does
-  not wait on staging.
+  not wait on staging;
+* ``fastdcp_overlap_budget``: the same with ``staging_budget_bytes = --size / 4``: staging holds
+  at most a quarter of the state; the rest is written from the live tensors before the guard lets
+  the optimizer step (bounded host memory, paid for in step waits at storage speed).
 
 The stock systems run when ``stock`` is among ``--systems``, the fastdcp ones when ``fastdcp``
 is. A GPU variant (model on CUDA, ``config.device == "cuda"``) runs where CUDA is available.
@@ -81,7 +84,10 @@ from .state import VerificationError, scribble
 SCENARIO = "train_loop"
 GROUP = "train"                  # directory under each target; removed by the runner afterwards
 NO_CKPT = "no_ckpt"              # the same loop without checkpoints (the reference)
-TRAIN_SYSTEMS = ("stock_default", "stock_zoc", "fastdcp_blocking", "fastdcp_overlap")
+TRAIN_SYSTEMS = ("stock_default", "stock_zoc", "fastdcp_blocking", "fastdcp_overlap", "fastdcp_overlap_budget")
+# fastdcp_overlap_budget's staging_budget_bytes, as a fraction of --size: bounded host memory, the
+# rest of the state written from the live tensors while the guard holds the optimizer step
+BUDGET_FRACTION = 4
 SHM = "/dev/shm"
 MIN_BATCH = 2                    # BatchNorm1d in training mode needs two samples
 
@@ -543,6 +549,15 @@ def loop_systems(ctx: Context) -> list[LoopSystem]:
                  "guard": "fastdcp.guard(optimizer, model) once before the loop, .remove() after",
                  "staging_pool": pool},
                 guard=fastdcp.guard, release_pool=release, optional=True))
+            if "staging_budget_bytes" in params:
+                budget = ctx.cfg.size // BUDGET_FRACTION
+                out.append(LoopSystem(
+                    "fastdcp_overlap_budget",
+                    lambda p: fastdcp.FastFileSystemWriter(p, async_staging=True, staging_budget_bytes=budget),
+                    {"writer": f"fastdcp.FastFileSystemWriter(path, async_staging=True, staging_budget_bytes={budget})",
+                     "guard": "fastdcp.guard(optimizer, model) once before the loop, .remove() after",
+                     "staging_pool": pool},
+                    guard=fastdcp.guard, release_pool=release, optional=True))
     return out
 
 
