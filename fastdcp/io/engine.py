@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .. import _C
 
-__all__ = ["IoOptions", "get_engine", "env_flag", "default_copy_threads", "DIRECT_ALIGN"]
+__all__ = ["IoOptions", "get_engine", "env_flag", "env_bytes", "default_copy_threads", "DIRECT_ALIGN"]
 
 DIRECT_ALIGN: int = int(_C.build_info()["direct_align"])
 
@@ -47,6 +47,21 @@ def env_int(name: str) -> int | None:
     if parsed <= 0:
         raise ValueError(f"{name}={value!r}: must be positive")
     return parsed
+
+
+def env_bytes(name: str) -> int | None:
+    """A byte count from the environment: None when unset or empty, else an int >= 0 (0 is a
+    meaningful limit for some settings); anything else is a ValueError naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={text!r}: expected a number of bytes (an int >= 0)")
+    return value
 
 
 def default_io_threads() -> int:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..io.engine import env_bytes
 from ..io.host_memory import HostSlab, allocate_slab, slab_bytes
 
 __all__ = [
@@ -80,14 +81,8 @@ class StagingPoolStats:
 
 def default_limit() -> int:
     """``FASTDCP_STAGING_POOL_BYTES``, else physical memory / (4 × ``LOCAL_WORLD_SIZE``)."""
-    text = os.environ.get(LIMIT_ENV, "").strip()
-    if text:
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise ValueError(f"{LIMIT_ENV} must be a number of bytes (an int >= 0), got {text!r}")
+    value = env_bytes(LIMIT_ENV)
+    if value is not None:
         return value
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

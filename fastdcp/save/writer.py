@@ -40,7 +40,7 @@ from torch.futures import Future
 from .. import _C
 from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
-from ..io.engine import DIRECT_ALIGN, IoOptions, default_copy_threads, env_flag, get_engine
+from ..io.engine import DIRECT_ALIGN, IoOptions, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
 from .commit import commit_metadata, new_token, remove_partial_files, remove_unreferenced, unused_prefix
 from .crash_points import crash_point
@@ -72,20 +72,6 @@ def _stays_on_device(tensor: torch.Tensor) -> bool:
 def _make_copier() -> Any:
     """The device-to-host copier of the ring pipeline (tests replace it with a CPU one)."""
     return CudaCopier()
-
-
-def _env_budget() -> int | None:
-    """``FASTDCP_STAGING_BUDGET_BYTES``: bytes, 0 or more (0: stream everything but guarded buffers)."""
-    text = os.environ.get("FASTDCP_STAGING_BUDGET_BYTES", "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"FASTDCP_STAGING_BUDGET_BYTES={text!r}: expected a number of bytes (an int >= 0)")
-    return value
 
 
 class FastFileSystemWriter(FileSystemWriter):
@@ -187,7 +173,7 @@ class FastFileSystemWriter(FileSystemWriter):
         self.async_staging = bool(async_staging if async_staging is not None else (env_async or False))
         if staging_budget_bytes is None:
             # The environment sets a default for writers that stage overlapped; others ignore it.
-            staging_budget_bytes = _env_budget() if self.async_staging else None
+            staging_budget_bytes = env_bytes("FASTDCP_STAGING_BUDGET_BYTES") if self.async_staging else None
         elif not isinstance(staging_budget_bytes, int) or isinstance(staging_budget_bytes, bool) or staging_budget_bytes < 0:
             raise ValueError(f"staging_budget_bytes must be an int >= 0 or None, got {staging_budget_bytes!r}")
         elif not self.async_staging:
