@@ -229,26 +229,18 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if bad:
             parser.error(f"unknown async mode(s) {bad}; choose from {','.join(ASYNC_MODES)}")
         c.async_modes = a.async_modes
-    if a.async_saves is not None:
-        if a.async_saves < 1:
-            parser.error("--async-saves must be >= 1")
-        c.async_saves = a.async_saves
-    if a.train_steps is not None:
-        if a.train_steps < 1:
-            parser.error("--train-steps must be >= 1")
-        c.train_steps = a.train_steps
-    if a.train_every is not None:
-        if a.train_every < 1:
-            parser.error("--train-every must be >= 1")
-        c.train_every = a.train_every
-    if a.train_step_ms is not None:
-        if a.train_step_ms <= 0:
-            parser.error("--train-step-ms must be > 0")
-        c.train_step_ms = a.train_step_ms
-    if a.train_batch is not None:
-        if a.train_batch < 2:
-            parser.error("--train-batch must be >= 2 (BatchNorm1d in training mode)")
-        c.train_batch = a.train_batch
+    # Counts and sizes given on the command line: (attribute, smallest allowed, why), one check.
+    for name, least, why in (("async_saves", 1, ""), ("train_steps", 1, ""), ("train_every", 1, ""),
+                             ("train_step_ms", None, ""), ("train_batch", 2, " (BatchNorm1d in training mode)")):
+        value = getattr(a, name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if least is None and value <= 0:
+            parser.error(f"{flag} must be > 0{why}")
+        if least is not None and value < least:
+            parser.error(f"{flag} must be >= {least}{why}")
+        setattr(c, name, value)
     c.dir, c.shm = a.dir, not a.no_shm
     c.json_path, c.plot_path, c.checkpoint = a.json_path, a.plot_path, a.checkpoint
     c.probe_method, c.cold_method, c.keep = a.probe_method, a.cold_method, a.keep

@@ -32,7 +32,7 @@ import io
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,11 +74,16 @@ class StagingLayout:
         offsets, end = [], 0
         for t in tensors:
             size = t.numel() * t.element_size()
-            align = PAGE if size >= PAGE else _SMALL_ALIGN
-            end = -(-end // align) * align
-            offsets.append(end)
-            end += size
+            offsets.append(_place(end, size))
+            end = offsets[-1] + size
         return StagingLayout(signature, tuple(offsets), end)
+
+
+def _place(end: int, size: int) -> int:
+    """Where a tensor of ``size`` bytes starts in a slab filled up to ``end``: on a page boundary
+    from a page up (O_DIRECT writes it straight from the slab), else on 64 bytes."""
+    align = PAGE if size >= PAGE else _SMALL_ALIGN
+    return -(-end // align) * align
 
 
 def _slab_tensors(obj: Any, path: str = "") -> Iterator[tuple[torch.Tensor, str]]:
@@ -145,12 +150,12 @@ def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
     return copy.deepcopy(obj)
 
 
-def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: list[str]) -> None:
-    """Copy every source into its view; device sources with the save ring's copier (a side stream
-    per device, ordered after the current stream), waited for once at the end. A tensor that
-    cannot be copied (a meta tensor, say) is an error naming it."""
-    copier: CudaCopier | None = None
-    for view, source, path in zip(views, sources, paths):
+def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], copier: CudaCopier | None = None) -> CudaCopier | None:
+    """Copy each ``(view, source, path)``: host sources now with ``copy_``, device sources enqueued
+    on ``copier``'s side streams (one per device, ordered after the current stream; created when
+    first needed). Returns the copier (None: no device source); nothing waits for it here. A
+    tensor that cannot be copied (a meta tensor, say) is an error naming it."""
+    for view, source, path in copies:
         source = source.detach()
         try:
             if source.device.type == "cuda":
@@ -163,6 +168,13 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
                 f"fastdcp: cannot stage '{path}' ({source.dtype}, shape {tuple(source.shape)}, on "
                 f"{source.device}) for async_save: {error}"
             ) from error
+    return copier
+
+
+def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: list[str]) -> None:
+    """Copy every source into its view (:func:`_enqueue_copies`); device copies are waited for once
+    at the end."""
+    copier = _enqueue_copies(zip(views, sources, paths))
     if copier is not None:
         copier.wait(copier.record())
 
@@ -182,17 +194,16 @@ class _Stage:
         return self.lease.in_use or (self.session is not None and not self.session.future.done())
 
 
-def _fits(sources: list[torch.Tensor], guarded: frozenset[int], budget: int | None) -> list[bool]:
+def _fits(sources: list[torch.Tensor], is_guarded: list[bool], budget: int | None) -> list[bool]:
     """Which sources go into the slab: in traversal order while the slab stays within ``budget``
     (every one without a budget); guarded buffers always (they are small and change in forward)."""
     if budget is None:
         return [True] * len(sources)
     fits, used = [], 0
-    for t in sources:
+    for t, guarded in zip(sources, is_guarded):
         size = t.numel() * t.element_size()
-        align = PAGE if size >= PAGE else _SMALL_ALIGN
-        end = -(-used // align) * align + size
-        keep = end <= budget or (guarded and storage_key(t) in guarded)
+        end = _place(used, size) + size
+        keep = end <= budget or guarded
         if keep:
             used = end
         fits.append(keep)
@@ -279,34 +290,34 @@ class StateDictStager:
         found = list(_slab_tensors(state_dict))
         sources = [tensor.detach() for tensor, _ in found]
         paths = [path for _, path in found]
-        fits = _fits(sources, guarded, budget)
+        keys = [storage_key(s) for s in sources]
+        is_guarded = [key in guarded for key in keys] if guarded else [False] * len(sources)
+        fits = _fits(sources, is_guarded, budget)
         lease, views = self._lease_views([s for s, keep in zip(sources, fits) if keep])
         try:
             with torch.no_grad():
                 pending = iter(views)
                 tensors = [next(pending) if keep else source for source, keep in zip(sources, fits)]
-                host_boxes, host_copies, device_copies, guarded_device = [], [], [], []
-                for view, source, path, keep in zip(tensors, sources, paths, fits):
+                now, host_boxes, host_copies, device_copies = [], [], [], []
+                for view, source, path, keep, guard in zip(tensors, sources, paths, fits, is_guarded):
                     if not keep:
                         continue
-                    is_guarded = bool(guarded) and storage_key(source) in guarded
-                    if source.device.type == "cuda":
-                        (guarded_device if is_guarded else device_copies).append((view, source, path))
-                    elif is_guarded:
-                        _copy_into([view], [source], [path])  # now: forward changes it next
+                    if guard:
+                        now.append((view, source, path))  # forward changes it next
+                    elif source.device.type == "cuda":
+                        device_copies.append((view, source, path))
                     else:
                         box = _raw_box(view, source)
                         if box is None:
                             host_copies.append((view, source, path))
                         elif box[6][0] > 0:
                             host_boxes.append(box)
-                copier = CudaCopier() if guarded_device or device_copies else None
-                if guarded_device:
-                    # Forward changes them next: the current streams wait for their copies (the
-                    # host does not).
-                    _enqueue_device_copies(copier, guarded_device)
+                copier = _enqueue_copies(now)
+                if copier is not None:
+                    # Guarded device buffers: the current streams wait for their copies before
+                    # forward changes them (the host does not wait).
                     copier.order_current_streams_after()
-                _enqueue_device_copies(copier, device_copies)
+                copier = _enqueue_copies(device_copies, copier)
                 token = copier.record() if copier is not None else None
                 staged = _rebuild(state_dict, iter(tensors))
         except BaseException:
@@ -324,8 +335,7 @@ class StateDictStager:
             blocked_s=time.perf_counter() - t0,
             overlapped=True,
         )
-        keys = frozenset(storage_key(s) for s in sources) - {0}
-        session = StagingSession(staged, tensors, streamed, keys, report, _rebuild)
+        session = StagingSession(staged, tensors, streamed, frozenset(keys) - {0}, report, _rebuild)
         self._remember(_Stage(lease, session), report)
 
         def copy(keep_alive: tuple = (sources, views)) -> None:
@@ -334,8 +344,7 @@ class StateDictStager:
             if host_boxes:
                 engine.box_copy(host_boxes)
             with torch.no_grad():
-                for view, source, path in host_copies:
-                    _copy_into([view], [source], [path])
+                _enqueue_copies(host_copies)  # host sources only: copied here and now
             if copier is not None:
                 copier.wait(token)
 
@@ -384,15 +393,3 @@ class StateDictStager:
     def _prune(self) -> None:
         self._stages = [stage for stage in self._stages if stage.active]
 
-
-def _enqueue_device_copies(copier: CudaCopier | None, copies: list[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
-    """Enqueue device-to-host copies on the copier's side streams (ordered after the current
-    streams); nothing waits here. A tensor that cannot be copied is an error naming it."""
-    for view, source, path in copies:
-        try:
-            copier.copy(view, source)
-        except (RuntimeError, NotImplementedError) as error:
-            raise RuntimeError(
-                f"fastdcp: cannot stage '{path}' ({source.dtype}, shape {tuple(source.shape)}, on "
-                f"{source.device}) for async_save: {error}"
-            ) from error

@@ -42,12 +42,12 @@ from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
 from ..io.engine import DIRECT_ALIGN, IoOptions, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
+from .async_staging import StagingFuture, StagingReport
 from .commit import commit_metadata, new_token, remove_partial_files, remove_unreferenced, unused_prefix
 from .crash_points import crash_point
 from .device_ring import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
 from .file_split import split_into_files
-from .async_staging import StagingFuture, StagingReport
 from .guard import guarded_storage_keys
 from .staging import StateDictStager
 
