@@ -1,14 +1,23 @@
 """Committing a save: save-unique file names, the atomic ``.metadata`` swap, and the cleanup rule.
 
 Data files get save-unique names, ``__{rank}_{token}_{i}.distcp``, where ``token`` is 8 random hex
-digits the coordinator picks per save (so a save never touches the files the current
-``.metadata`` points at). Commit protocol, on the coordinator, after every rank has fsynced its
-data files: fsync the directory, write ``.metadata.{token}.tmp``, fsync it, ``rename`` it over
-``.metadata`` (atomic: there is never a moment without a valid ``.metadata``), fsync the
-directory, and only then delete what the new ``.metadata`` does not reference: data files named
-like ours or stock's (``__{rank}_{i}.distcp``, ``__{rank}_{token}_{i}.distcp``) and stale metadata
-temp files (``.metadata.tmp``, ``.metadata.{token}.tmp``, and the ``__{rank}.`` variants). No other
-file is ever removed.
+digits the coordinator claims per save together with its in-flight marker
+(``fastdcp.save.inflight``: ``.saving.{token}.json``, created with ``O_EXCL`` before any file of
+the save exists). Commit protocol, on the coordinator, after every rank has fsynced its data
+files: fsync the directory, write ``.metadata.{token}.tmp``, fsync it, check that the marker and
+every file the new metadata names are still there (else :class:`ConcurrentSaveError`: another
+save interfered), ``rename`` it over ``.metadata`` (atomic: there is never a moment without a
+valid ``.metadata``), fsync the directory, remove the marker, and only then clean up.
+
+The cleanup removes only files that are provably dead. It lists the directory, then drops every
+file whose token has a live marker (a save that may still commit), then reads which files the
+metadata in the directory *now* references, and deletes the rest of the files named like ours or
+stock's: data files (``__{rank}_{i}.distcp``, ``__{rank}_{token}_{i}.distcp``) and metadata temp
+files (``.metadata.tmp``, ``.metadata.{token}.tmp``, and the ``__{rank}.`` variants), plus the
+markers of saves that died. That order is what makes it safe against saves committing meanwhile:
+a save removes its marker only after its rename, so a file found without a live marker belongs to
+a save that committed before the metadata is read (and is kept if that metadata is still
+current), failed, or died. No other file is ever removed.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import pickle
 import re
 import secrets
 import warnings
+from dataclasses import dataclass
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
@@ -25,11 +35,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..format.metadata import METADATA_NAME, RANK_METADATA_RE
 from ..io.checkpoint_files import load_metadata
 from ..io.gc import gc_paused
+from . import inflight
 from .crash_points import crash_point
+from .inflight import ConcurrentSaveError
 
 __all__ = [
-    "new_token",
-    "owned_prefix",
+    "claim_token",
+    "CommittedMetadata",
+    "ConcurrentSaveError",
     "unused_prefix",
     "remove_partial_files",
     "commit_metadata",
@@ -43,21 +56,25 @@ _TOKEN_HEX = 8
 _OWNED_PREFIX_RE = re.compile(rf"^__(\d+)_([0-9a-f]{{{_TOKEN_HEX}}})_$")
 
 # Data files as stock (__{rank}_{i}.distcp) or fastdcp (__{rank}_{token}_{i}.distcp) name them.
-_DATA_FILE_RE = re.compile(rf"^__(\d+)_(?:[0-9a-f]{{{_TOKEN_HEX}}}_)?\d+{re.escape(DEFAULT_SUFFIX)}$")
+_DATA_FILE_RE = re.compile(rf"^__(\d+)_(?:([0-9a-f]{{{_TOKEN_HEX}}})_)?\d+{re.escape(DEFAULT_SUFFIX)}$")
 
 # Metadata temp files: stock's (.metadata.tmp, __{rank}.metadata.tmp) and ours (.{token}.tmp).
-_METADATA_TMP_RE = re.compile(rf"^(?:__(\d+))?\.metadata(?:\.[0-9a-f]{{{_TOKEN_HEX}}})?\.tmp$")
+_METADATA_TMP_RE = re.compile(rf"^(?:__(\d+))?\.metadata(?:\.([0-9a-f]{{{_TOKEN_HEX}}}))?\.tmp$")
 
 
-def new_token(directory: str) -> str:
-    """A token no file in ``directory`` carries yet, so this save's names are unique there."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        names = []
+def claim_token(directory: str) -> str:
+    """A token no file in ``directory`` carries yet, claimed for this save with its in-flight
+    marker (``fastdcp.save.inflight``), so this save's names are unique there and no other save's
+    cleanup removes its files. Precondition: ``directory`` exists."""
     while True:
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            names = []
         token = secrets.token_hex(_TOKEN_HEX // 2)
-        if not any(f"_{token}_" in name or f".{token}." in name for name in names):
+        if any(f"_{token}_" in name or f".{token}." in name for name in names):
+            continue
+        if inflight.claim(directory, token):
             return token
 
 
@@ -86,14 +103,9 @@ def _referenced_files(path: str) -> set[str] | None:
         return None
 
 
-def owned_prefix(prefix: str) -> bool:
-    """Whether ``prefix`` is one this writer generated (``__{rank}_{token}_``): only files under
-    such a prefix are ever removed after a failed save (the token was checked unique)."""
-    return _OWNED_PREFIX_RE.match(prefix) is not None
-
-
-def unused_prefix(directory: str, storage_plan: _StoragePrefix, rank: int | None) -> _StoragePrefix:
-    """``storage_plan``, or a fresh ``__{rank}_{token}_`` prefix when files under it exist.
+def unused_prefix(directory: str, storage_plan: _StoragePrefix, rank: int | None) -> tuple[_StoragePrefix, str | None]:
+    """``storage_plan``, or a fresh ``__{rank}_{token}_`` prefix when files under it exist; and the
+    token claimed for that fresh prefix (None when ``storage_plan`` is kept).
 
     A save never writes into an existing file (that is what keeps overwriting atomic). The
     prefix normally comes fresh from the writer's ``prepare_global_plan``, but a planner may hand
@@ -104,41 +116,65 @@ def unused_prefix(directory: str, storage_plan: _StoragePrefix, rank: int | None
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return storage_plan
+        return storage_plan, None
     if not any(name.startswith(prefix) for name in names):
-        return storage_plan
+        return storage_plan, None
     match = re.match(r"^__(\d+)_", prefix)
     rank_text = match.group(1) if match else str(rank or 0)
-    return _StoragePrefix(f"__{rank_text}_{new_token(directory)}_")
+    token = claim_token(directory)
+    return _StoragePrefix(f"__{rank_text}_{token}_"), token
 
 
 def remove_partial_files(directory: str, prefix: str) -> None:
     """Best effort: delete the data files of a failed save. Only under a prefix this writer
     generated (save-unique), so no file of an existing checkpoint is touched."""
-    if not owned_prefix(prefix):
+    if _OWNED_PREFIX_RE.match(prefix) is None:
         return
     try:
         names = os.listdir(directory)
     except OSError:
-        return
+        names = []
     for name in names:
         if name.startswith(prefix) and name.endswith(DEFAULT_SUFFIX):
             _remove_quietly(os.path.join(directory, name))
 
 
+@dataclass(frozen=True)
+class CommittedMetadata:
+    """What one commit made current: the metadata file's name and identity, and the data files
+    it references (so the cleanup need not parse the file it just wrote)."""
+
+    name: str
+    identity: tuple[int, int]  # (st_dev, st_ino) of the renamed file
+    files: frozenset[str]
+
+
+def _interfered(directory: str, what: str) -> ConcurrentSaveError:
+    return ConcurrentSaveError(
+        f"another (concurrent) save into '{directory}' interfered with this one, so it was not "
+        f"committed: {what}. The directory holds whatever the other save committed; save again "
+        "(and give concurrent jobs different checkpoint directories)"
+    )
+
+
 def commit_metadata(
     directory: str, metadata_name: str, token: str, metadata: Metadata, new_files: set[str], sync: bool
-) -> None:
+) -> CommittedMetadata:
     """Make ``metadata`` the checkpoint's ``metadata_name`` atomically (coordinator only, after
-    every rank's data files are durable; ``sync``: fsync as the protocol says).
+    every rank's data files are durable; ``sync``: fsync as the protocol says). ``token``: this
+    save's claimed token (its marker exists).
 
     Unlike stock (which removes ``.metadata`` and then renames the temp file over it), the new
     metadata is renamed straight over the old one, so every instant has a valid ``.metadata``
-    naming files that exist: the old checkpoint's until the rename, the new one's after it. If
-    the commit fails, this save's data files (``new_files`` carrying ``token``) and the temp file
-    are removed: nothing references them."""
-    tmp_path = os.path.join(directory, f"{metadata_name}.{token}.tmp")
+    naming files that exist: the old checkpoint's until the rename, the new one's after it. Just
+    before the rename, the marker and every file in ``new_files`` must still exist, else
+    :class:`ConcurrentSaveError` (the check is what keeps a ``.metadata`` naming a missing file
+    from ever being committed). If the commit fails, this save's data files (``new_files``
+    carrying ``token``), the temp file and the markers are removed: nothing references them."""
+    tmp_name = f"{metadata_name}.{token}.tmp"
+    tmp_path = os.path.join(directory, tmp_name)
     final_path = os.path.join(directory, metadata_name)
+    tokens = _tokens_of(new_files) | {token}
     committed = False
     try:
         if sync:
@@ -148,8 +184,19 @@ def commit_metadata(
             f.flush()
             if sync:
                 os.fsync(f.fileno())
+            st = os.fstat(f.fileno())
+        if not inflight.touch(directory, token):
+            raise _interfered(directory, f"the marker of this save ({inflight.marker_name(token)}) was removed")
+        present = set(os.listdir(directory))
+        missing = sorted((new_files | {tmp_name}) - present)
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise _interfered(directory, f"{len(missing)} of its files disappeared before the commit ({shown})")
         crash_point("commit")
-        os.replace(tmp_path, final_path)
+        try:
+            os.replace(tmp_path, final_path)
+        except FileNotFoundError:
+            raise _interfered(directory, f"its metadata temp file {tmp_name} disappeared before the rename") from None
         committed = True
     except BaseException:
         if not committed:
@@ -157,13 +204,45 @@ def commit_metadata(
             for name in new_files:
                 if f"_{token}_" in name and _DATA_FILE_RE.match(name):
                     _remove_quietly(os.path.join(directory, name))
+            for owned in tokens:
+                inflight.release(directory, owned)
         raise
     if sync:
         _fsync_directory(directory)  # the commit is durable before anything old is removed
+    for owned in tokens:  # after the rename: see the module docstring for why not before
+        inflight.release(directory, owned)
+    return CommittedMetadata(metadata_name, (st.st_dev, st.st_ino), frozenset(new_files))
 
 
-def remove_unreferenced(directory: str, keep: set[str], rank: int | None) -> None:
-    """Delete leftovers: data files (stock or fastdcp naming) and metadata temp files that no
+def _tokens_of(names: set[str] | frozenset[str]) -> set[str]:
+    """The save tokens carried by fastdcp data file names."""
+    tokens = set()
+    for name in names:
+        match = _DATA_FILE_RE.match(name)
+        if match and match.group(2):
+            tokens.add(match.group(2))
+    return tokens
+
+
+def _current_references(directory: str, name: str, committed: CommittedMetadata) -> set[str] | None:
+    """The files metadata ``name`` references now, or None when it cannot be read safely. The
+    file this save just renamed is recognised by identity instead of being parsed again."""
+    path = os.path.join(directory, name)
+    if name == committed.name:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return set()
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino) == committed.identity:
+            return set(committed.files)
+    return _referenced_files(path)
+
+
+def remove_unreferenced(directory: str, committed: CommittedMetadata, rank: int | None) -> None:
+    """Delete what is provably dead (see the module docstring): data files (stock or fastdcp
+    naming), metadata temp files and markers of ended saves, that no save in flight owns and no
     metadata in the directory references. ``rank``: a rank-local save (``use_collectives=False``)
     of that rank, which only touches its own rank's files; None for a global save. Errors here
     never fail the (already committed) save: they become warnings."""
@@ -173,16 +252,33 @@ def remove_unreferenced(directory: str, keep: set[str], rank: int | None) -> Non
     except OSError as error:
         warnings.warn(f"fastdcp: could not list {directory} to remove old checkpoint files: {error}", stacklevel=3)
         return
-    protected = set(keep)
-    # Metadata of the other kind (global vs rank-local) may describe another live checkpoint
-    # in the same directory: never delete what it references.
+    # 1. Candidates by name, and whose save may still be in flight (before reading any metadata).
+    candidates: list[tuple[str, str | None]] = []  # (name, token)
+    dead_markers: list[str] = []
+    for name in sorted(names):
+        data = _DATA_FILE_RE.match(name)
+        tmp = None if data else _METADATA_TMP_RE.match(name)
+        match = data or tmp
+        if match is not None:
+            if rank_local and match.group(1) != str(rank):
+                continue
+            candidates.append((name, match.group(2)))
+        elif inflight.marker_token(name) is not None:
+            dead_markers.append(name)
+    tokens = {token for _, token in candidates if token} | {inflight.marker_token(n) for n in dead_markers}
+    live = {token for token in tokens if inflight.is_live(directory, token)}
+    dead_markers = [n for n in dead_markers if inflight.marker_token(n) not in live]
+    candidates = [(name, token) for name, token in candidates if token not in live]
+    # 2. What the metadata references now. Rank-local metadata next to a global .metadata may
+    #    describe another live checkpoint in the same directory: never delete what it references.
     if rank_local:
-        others = [METADATA_NAME] if METADATA_NAME in names else []
+        metadata_names = ([METADATA_NAME] if METADATA_NAME in names else []) + [committed.name]
     else:
-        others = [n for n in names if RANK_METADATA_RE.match(n)]
+        metadata_names = [METADATA_NAME] + [n for n in names if RANK_METADATA_RE.match(n)]
+    protected: set[str] = set()
     remove_data = True
-    for name in others:
-        refs = _referenced_files(os.path.join(directory, name))
+    for name in dict.fromkeys(metadata_names):
+        refs = _current_references(directory, name, committed)
         if refs is None:
             remove_data = False  # cannot tell what it needs: keep every data file
             warnings.warn(
@@ -192,14 +288,10 @@ def remove_unreferenced(directory: str, keep: set[str], rank: int | None) -> Non
             )
         else:
             protected |= refs
+    # 3. Delete.
     removed = 0
-    for name in sorted(names):
-        data = _DATA_FILE_RE.match(name)
-        tmp = None if data else _METADATA_TMP_RE.match(name)
-        match = data or tmp
-        if match is None or name in protected or (data and not remove_data):
-            continue
-        if rank_local and match.group(1) != str(rank):
+    for name, _ in candidates:
+        if name in protected or (not remove_data and _DATA_FILE_RE.match(name)):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -211,3 +303,5 @@ def remove_unreferenced(directory: str, keep: set[str], rank: int | None) -> Non
         removed += 1
         if removed == 1:
             crash_point("cleanup_mid")
+    for name in dead_markers:
+        _remove_quietly(os.path.join(directory, name))

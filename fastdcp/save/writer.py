@@ -43,7 +43,8 @@ from ..format.metadata import METADATA_NAME
 from ..io.engine import DIRECT_ALIGN, IoOptions, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
 from .async_staging import StagingFuture, StagingReport
-from .commit import commit_metadata, new_token, remove_partial_files, remove_unreferenced, unused_prefix
+from . import inflight
+from .commit import claim_token, commit_metadata, remove_partial_files, remove_unreferenced, unused_prefix
 from .crash_points import crash_point
 from .device_ring import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
@@ -157,6 +158,9 @@ class FastFileSystemWriter(FileSystemWriter):
             direct_io=direct_io, default_direct_io=True, io_threads=io_threads, task_bytes=task_bytes
         )
         self._save_token: str | None = None  # this save's file-name token (see prepare_global_plan)
+        # Tokens this writer object claimed for the save in progress (their in-flight markers,
+        # fastdcp.save.inflight): released by the commit, or here when this rank's write fails.
+        self._claimed_tokens: set[str] = set()
         ring_budget = memory_budget_bytes if memory_budget_bytes is not None else _DEFAULT_RING_BYTES
         if not isinstance(ring_budget, int) or isinstance(ring_budget, bool) or ring_budget < _RING_SLOTS * DIRECT_ALIGN:
             raise ValueError(
@@ -250,16 +254,23 @@ class FastFileSystemWriter(FileSystemWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         self._save_token = None
+        self._claimed_tokens = set()
 
     def _rank_local(self) -> bool:
         """``dcp.save(use_collectives=False)``: every rank commits its own ``__{rank}.metadata``."""
         return not getattr(self, "use_collectives", True) and getattr(self, "rank", None) is not None
 
+    def _claim_token(self) -> str:
+        """A save-unique token for this directory, with its in-flight marker."""
+        token = claim_token(str(self.path))
+        self._claimed_tokens.add(token)
+        return token
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)  # mkdir, overwrite check, stock's rank-local prefix
         if self._rank_local() and isinstance(plan.storage_data, _StoragePrefix):
             if plan.storage_data.prefix == f"__{self.rank}_":
-                self._save_token = new_token(str(self.path))
+                self._save_token = self._claim_token()
                 plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_{self._save_token}_"))
                 crash_point("plan")
         return plan
@@ -267,7 +278,7 @@ class FastFileSystemWriter(FileSystemWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if all(plan.storage_data is not None for plan in plans):
             return super().prepare_global_plan(plans)  # rank-local prefixes were chosen already
-        self._save_token = new_token(str(self.path))
+        self._save_token = self._claim_token()
         new_plans = [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{self._save_token}_"))
             if plan.storage_data is None
@@ -284,7 +295,9 @@ class FastFileSystemWriter(FileSystemWriter):
         storage_plan: _StoragePrefix = plan.storage_data
         written_prefix: str | None = None  # set once this save owns the prefix it writes under
         try:
-            storage_plan = unused_prefix(str(self.path), storage_plan, getattr(self, "rank", 0))
+            storage_plan, fresh_token = unused_prefix(str(self.path), storage_plan, getattr(self, "rank", 0))
+            if fresh_token is not None:
+                self._claimed_tokens.add(fresh_token)
             written_prefix = storage_plan.prefix
             plan = dataclasses.replace(plan, storage_data=storage_plan)
             if self._stock_writes_everything():
@@ -298,6 +311,11 @@ class FastFileSystemWriter(FileSystemWriter):
                 traceback.clear_frames(error.__traceback__.tb_next)
             if written_prefix is not None:
                 remove_partial_files(str(self.path), written_prefix)
+            # This rank's write failed, so the whole save fails: files other ranks may still be
+            # writing under these tokens are dead too, and may be removed by any later cleanup.
+            for token in self._claimed_tokens:
+                inflight.release(str(self.path), token)
+            self._claimed_tokens = set()
             directory = str(self.path)
             if isinstance(error, FileNotFoundError) and not os.path.isdir(directory):
                 raise FileNotFoundError(
@@ -434,8 +452,11 @@ class FastFileSystemWriter(FileSystemWriter):
         directory = str(self.path)
         rank_local = self._rank_local()
         metadata_name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
-        token = self._save_token or new_token(directory)
+        token = self._save_token or self._claim_token()
         new_files = {info.relative_path for info in storage_md.values()}
-        commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files)
+        try:
+            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files)
+        finally:
+            self._claimed_tokens = set()  # released by commit_metadata, committed or not
         crash_point("cleanup")
-        remove_unreferenced(directory, new_files, self.rank if rank_local else None)
+        remove_unreferenced(directory, committed, self.rank if rank_local else None)
