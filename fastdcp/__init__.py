@@ -25,10 +25,11 @@ from . import _C
 from .format.blob import BlobFormatError
 from .format.checksums import ChecksumError
 from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
-from .load.reader import FastFileSystemReader
+from .load.reader import ConcurrentOverwriteError, FastFileSystemReader
 from .planners import FastLoadPlanner, FastSavePlanner
 from .save.async_staging import StagingFuture, StagingReport, wait_for_staging
 from .save.guard import StagingGuard, guard
+from .save.inflight import ConcurrentSaveError
 from .save.staging_pool import StagingPoolStats, release_staging, set_staging_pool_limit, staging_pool_stats
 from .save.writer import FastFileSystemWriter
 
@@ -42,6 +43,8 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "ChecksumError",
+    "ConcurrentSaveError",
+    "ConcurrentOverwriteError",
     "add_safe_metadata_globals",
     "set_staging_pool_limit",
     "release_staging",

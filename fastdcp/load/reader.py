@@ -11,13 +11,23 @@ copies. This reader instead:
    budget, from which a batched C++ strided copy (with dtype conversion) places the boxes.
 
 Items with ``transform_descriptors`` (stream extensions) go through stock code.
+
+A load sees one committed checkpoint even while another save overwrites the directory: right
+after reading ``.metadata`` the reader opens every data file it names (up to
+``_PIN_FILES_LIMIT``) and reads through those handles, so files the overwrite's cleanup unlinks
+stay readable; a file that vanished between reading the metadata and opening it means a commit
+happened in between, so the metadata is read once more. With several ranks, the coordinator checks
+that every rank read the same save (``StorageMeta.save_id``) and otherwise fails with a clear error
+instead of loading a mix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import os
+import resource
 import time
 from collections import defaultdict
 from typing import Any
@@ -40,9 +50,37 @@ from .pieces import Placement, plan_placement
 from .placement import run_placements
 from .verify import verify_checksums
 
-__all__ = ["FastFileSystemReader"]
+__all__ = ["FastFileSystemReader", "ConcurrentOverwriteError"]
 
 _STOCK_INIT_PARAMS = frozenset(inspect.signature(FileSystemReader.__init__).parameters)
+
+# The most data files opened right after reading .metadata (a quarter of the descriptor limit at
+# most). Beyond it (thousands of ranks' files), files are opened when read, and a load racing an
+# overwrite may find one gone and fail with a clear error.
+_PIN_FILES_LIMIT = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveIdentity:
+    """A rank's local load plan carries the save its metadata came from (``StorageMeta.save_id``;
+    None for checkpoints that record none)."""
+
+    save_id: str | None
+
+
+class ConcurrentOverwriteError(RuntimeError):
+    """A save replaced the checkpoint while this load was reading it, in a way the load could not
+    step around (different ranks read different saves, or a file vanished after pinning gave up)."""
+
+
+def _pin_limit() -> int:
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return _PIN_FILES_LIMIT
+    if soft == resource.RLIM_INFINITY:
+        return _PIN_FILES_LIMIT
+    return max(0, min(_PIN_FILES_LIMIT, soft // 4))
 
 
 class FastFileSystemReader(FileSystemReader):
@@ -93,6 +131,10 @@ class FastFileSystemReader(FileSystemReader):
         self.verify_checksums = bool(verify_checksums if verify_checksums is not None else (env_verify or False))
         self._extents: tuple[Any, dict] | None = None  # (storage_data, file_extents(storage_data))
         self._state_dict_metadata: dict[str, Any] | None = None  # of the load set up last
+        # Data files opened right after reading .metadata (see the module docstring), by
+        # relative path; consumed by read_data, closed when the load ends.
+        self._pinned: dict[str, tuple[_C.File, bool]] = {}  # relative path -> (file, opened O_DIRECT)
+        self._metadata_read: Metadata | None = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         stock_items: list[ReadItem] = []
@@ -107,9 +149,12 @@ class FastFileSystemReader(FileSystemReader):
                     per_file[info.relative_path].append((item, info))
         if stock_items:
             super().read_data(LoadPlan(stock_items), planner).wait()
-        if per_file:
-            with gc_paused():
-                self._read_native(per_file, planner)
+        try:
+            if per_file:
+                with gc_paused():
+                    self._read_native(per_file, planner)
+        finally:
+            self._unpin()  # this rank's reads are done: files it did not need are closed too
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -123,6 +168,30 @@ class FastFileSystemReader(FileSystemReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         self._state_dict_metadata = None
+        self._unpin()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = super().prepare_local_plan(plan)
+        if plan.storage_data is not None:
+            return plan  # a planner's own use of the field
+        # Which save this rank's metadata came from, for the coordinator's check below.
+        return dataclasses.replace(plan, storage_data=_SaveIdentity(self._save_id()))
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().prepare_global_plan(plans)
+        seen = {p.storage_data.save_id for p in plans if isinstance(p.storage_data, _SaveIdentity)}
+        seen.discard(None)
+        if len(seen) > 1:
+            raise ConcurrentOverwriteError(
+                f"the ranks of this load read different saves of '{self.path}' ({len(seen)} save ids): a "
+                "concurrent save replaced the checkpoint while the load started. Nothing was loaded; load again"
+            )
+        return plans
+
+    def _save_id(self) -> str | None:
+        meta = getattr(self._metadata_read, "storage_meta", None)
+        save_id = getattr(meta, "save_id", None)
+        return save_id if isinstance(save_id, str) and save_id else None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Stock ``read_metadata`` (``.metadata``, or ``__{rank}.metadata`` with ``rank=``), read
@@ -130,20 +199,57 @@ class FastFileSystemReader(FileSystemReader):
         ``allow_unsafe_metadata``, then structural validation and a check that no data file
         path leads out of the checkpoint; errors name the file. The parsed file is remembered
         (:class:`MetadataCache`) until it changes."""
-        metadata = metadata_cache.load(self.path, kwargs.get("rank"), self.allow_unsafe_metadata)
+        rank = kwargs.get("rank")
+        metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata)
         # Every data file the metadata names must stay inside the checkpoint (stock code reads
         # the items fastdcp hands back to it, so this is checked up front, not only in _open).
         check_data_paths(self.path, metadata.storage_data)
+        if not self._pin(metadata):  # a file vanished: an overwrite committed since the read
+            metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata)
+            check_data_paths(self.path, metadata.storage_data)
+            self._pin(metadata)  # still missing: a damaged checkpoint, reported when read
+        self._metadata_read = metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _pin(self, metadata: Metadata) -> bool:
+        """Open every data file ``metadata`` names (when they are few enough), replacing earlier
+        pins. False when one of them does not exist (no pins are kept then)."""
+        self._unpin()
+        names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        if not names or len(names) > _pin_limit():
+            return True
+        direct = self.io_options.direct_for(str(self.path))
+        try:
+            for rel in sorted(names):
+                path = resolve_data_file(self.path, rel)
+                self._pinned[rel] = (_C.File(path, "r", direct), direct)
+        except FileNotFoundError:
+            self._unpin()
+            return False
+        except Exception:  # noqa: BLE001 - anything else is reported by the read that needs the file
+            self._unpin()
+        return True
+
+    def _unpin(self) -> None:
+        pinned, self._pinned = self._pinned, {}
+        for file, _ in pinned.values():
+            file.close()
+
     def _open(self, relative_path: str) -> _C.File:
         # Refuses paths leading out of the checkpoint (absolute, "..", symlinks), non-regular
         # files, and (before anything is allocated) byte ranges past the end of the file.
-        path = resolve_data_file(self.path, relative_path)
-        file = _C.File(path, "r", self._direct)
+        pinned = self._pinned.pop(relative_path, None)
+        if pinned is not None and pinned[1] == self._direct:
+            file = pinned[0]
+            path = os.path.join(str(self.path), relative_path)
+        else:
+            if pinned is not None:
+                pinned[0].close()
+            path = resolve_data_file(self.path, relative_path)
+            file = _C.File(path, "r", self._direct)
         try:
             if self._extents is None or self._extents[0] is not self.storage_data:
                 self._extents = (self.storage_data, file_extents(self.storage_data))
