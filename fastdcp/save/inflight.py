@@ -133,8 +133,19 @@ def _process_start(pid: int) -> str | None:
     return ""
 
 
+_this_process_cache: dict[int, _Owner] = {}
+
+
 def _this_process() -> _Owner:
+    """This process as a marker owner (cached per PID, so a forked child describes itself)."""
     pid = os.getpid()
+    owner = _this_process_cache.get(pid)
+    if owner is None:
+        owner = _this_process_cache[pid] = _describe_this_process(pid)
+    return owner
+
+
+def _describe_this_process(pid: int) -> _Owner:
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
