@@ -22,6 +22,7 @@ import platform
 import torch
 
 from . import _C
+from .default_storage import HookNotFoundError, RestoreOnExit, disable, enable, is_enabled
 from .format.blob import BlobFormatError
 from .format.checksums import ChecksumError
 from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
@@ -55,6 +56,11 @@ __all__ = [
     "StagingFuture",
     "StagingReport",
     "wait_for_staging",
+    "enable",
+    "disable",
+    "is_enabled",
+    "RestoreOnExit",
+    "HookNotFoundError",
     "build_info",
     "__version__",
 ]
