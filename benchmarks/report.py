@@ -38,7 +38,7 @@ BASELINE_POLICY = (
 
 # Scenarios reported in a table of their own instead of the GiB/s table (their rows are times
 # and slowdowns, for which GiB/s means nothing).
-OWN_TABLE_SCENARIOS = ("train_loop",)
+OWN_TABLE_SCENARIOS = ("train_loop", "concurrency")
 
 
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -328,6 +328,94 @@ def train_loop_lines(results: list[Result]) -> list[str]:
     return [*head, fmt(cols), fmt(["-" * w for w in widths]), *(fmt(c) for c in cells)]
 
 
+@dataclass
+class ConcurrencyRow:
+    """One system of a concurrency case (writers, loader): the counts summed over its rounds."""
+    system: str
+    writers: int
+    loader: bool
+    rounds: int
+    loads_ok: int
+    loads_mix: int
+    loads_failed: int
+    top_load_error: str | None         # "count x first line" of the most common failed load
+    saves_ok: int
+    saves_failed: int
+    top_save_error: str | None         # "count x first line" of the most common failed save
+    final_one_state: int               # rounds whose directory ended as one committed state
+    final_other: list[str]             # what the other rounds' directories loaded as
+    loads_during_saves: int
+    leftover_files_max: int
+    seconds_median: float
+
+
+def _top(counts: list[dict[str, int]]) -> str | None:
+    total: dict[str, int] = {}
+    for per_round in counts:
+        for key, n in per_round.items():
+            total[key] = total.get(key, 0) + n
+    if not total:
+        return None
+    key, n = max(total.items(), key=lambda kv: kv[1])
+    return f"{n}x {key}"
+
+
+def concurrency_rows(results: list[Result]) -> list[ConcurrencyRow]:
+    from .concurrency import SCENARIO
+
+    rows = []
+    for r in results:
+        if r.scenario != SCENARIO:
+            continue
+        ex = r.extra
+        total = lambda k: int(sum(ex.get(k, [])))  # noqa: E731
+        finals = ex.get("final_one_committed_state", [])
+        rows.append(ConcurrencyRow(
+            system=r.system, writers=int(r.config["writers"]), loader=bool(r.config["loader"]),
+            rounds=len(r.seconds), loads_ok=total("loads_ok"), loads_mix=total("loads_mix"),
+            loads_failed=total("loads_failed"), top_load_error=_top(ex.get("load_errors", [])),
+            saves_ok=total("saves_ok"), saves_failed=total("saves_failed"),
+            top_save_error=_top(ex.get("save_errors", [])), final_one_state=sum(1 for f in finals if f),
+            final_other=[d for f, d in zip(finals, ex.get("final", [])) if not f],
+            loads_during_saves=total("loads_during_saves"),
+            leftover_files_max=max(ex.get("leftover_files", [0]) or [0]),
+            seconds_median=statistics.median(r.seconds)))
+    rows.sort(key=lambda row: (row.writers, row.loader, row.system != "stock", row.system))
+    return rows
+
+
+def concurrency_lines(results: list[Result], error_width: int = 110) -> list[str]:
+    """The concurrency table: per system and case, what the loads returned, how the saves ended
+    and whether the directory ended as one committed state, over all rounds."""
+    rows = concurrency_rows(results)
+    if not rows:
+        return []
+    cut = lambda text: "-" if not text else text if len(text) <= error_width else text[:error_width - 3] + "..."  # noqa: E731
+    cols = ["system", "writers", "rounds", "loads ok / mix / failed", "saves ok / failed",
+            "ends as one committed state", "most common save error", "most common load error"]
+    cells = [[r.system, f"{r.writers}" + (" + loader" if r.loader else ""), str(r.rounds),
+              f"{r.loads_ok} / {r.loads_mix} / {r.loads_failed}" if r.loader else "-",
+              f"{r.saves_ok} / {r.saves_failed}", f"{r.final_one_state} of {r.rounds}",
+              cut(r.top_save_error), cut(r.top_load_error)]
+             for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
+    head = [
+        "concurrency: writer processes saving into ONE directory (a new storage writer per dcp.save, every state "
+        "identifiable), started together; with a loader: one more process loading the directory in a loop "
+        "meanwhile.",
+        "  load ok = every tensor from one state a writer saved; mix = loaded without an error, but not one state; "
+        "failed = raised. ends as one committed state = after the round, both readers (stock and fastdcp) load "
+        "the directory as the same state, one a writer saved successfully. Errors: first line, directory and "
+        "save tokens blanked, summed over rounds.",
+    ]
+    out = [*head, fmt(cols), fmt(["-" * w for w in widths]), *(fmt(c) for c in cells)]
+    for r in rows:
+        for other in dict.fromkeys(r.final_other):
+            out.append(f"  {r.system}, {r.writers} writers: a round ended as: {other}")
+    return out
+
+
 def print_report(lines: list[str], stream=None) -> None:
     print("\n".join(lines), file=stream or sys.stdout, flush=True)
 
@@ -352,6 +440,7 @@ def write_json(path: str, machine: dict[str, Any], limits: Limits | None, result
         "notes": notes,
         "results": [r.to_json() for r in results],
         "train_loop": [asdict(row) for row in train_loop_rows(results)],
+        "concurrency": [asdict(row) for row in concurrency_rows(results)],
     }
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
@@ -370,7 +459,7 @@ def write_plot(path: str, results: list[Result], limits: Limits | None, system_o
     scenarios: list[str] = []
     results = [r for r in results if r.scenario not in OWN_TABLE_SCENARIOS]
     if not results:
-        return "no GiB/s results to plot (train_loop has a table of its own): no plot written"
+        return "no GiB/s results to plot (train_loop and concurrency have tables of their own): no plot written"
     for r in results:
         if r.scenario not in scenarios:
             scenarios.append(r.scenario)

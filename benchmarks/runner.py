@@ -18,8 +18,9 @@ from .machine import collect_machine
 from .pagecache import choose_cold_method
 from .floor import BASELINE_SYSTEMS
 from .peers import prepare_peers, resolve_peers
-from .report import (header_lines, peer_lines, print_report, reader_stats_lines, run_description,
-                     sort_for_report, summary_lines, table_lines, train_loop_lines, write_json, write_plot)
+from .report import (concurrency_lines, header_lines, peer_lines, print_report, reader_stats_lines,
+                     run_description, sort_for_report, summary_lines, table_lines, train_loop_lines, write_json,
+                     write_plot)
 from .reshard import run_reshard
 from .results import Recorder, finalize
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         results = sort_for_report(finalize(ctx.recorder.results, limits), order)
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
         print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",
-                      *peer_lines(results), "", *reader_stats_lines(results), "", *train_loop_lines(results)])
+                      *peer_lines(results), "", *reader_stats_lines(results), "", *train_loop_lines(results), "",
+                      *concurrency_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)
             progress(f"wrote {cfg.json_path}")

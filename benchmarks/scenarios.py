@@ -1,7 +1,8 @@
 """Single-process scenarios: save, load (cold/warm), small tensors (with DCP's floor), async
 save (blocked vs durable time, against a bare copy; one writer reused, or a new writer per save),
-GPU variants, loads of a user's existing checkpoint, and (training_loop.py) a training loop with
-an async_save every k steps. The peers (peers.py: torch.save,
+GPU variants, loads of a user's existing checkpoint, (training_loop.py) a training loop with
+an async_save every k steps, and (concurrency.py) jobs saving into one directory while another
+loads it. The peers (peers.py: torch.save,
 safetensors, torchsnapshot, nvidia-resiliency-ext) run in the save loop and, where they have a
 load of their own, in the load loop, interleaved with the DCP systems.
 
@@ -826,6 +827,13 @@ def run_train_loop(ctx: Context, wheres: list[str]) -> None:
     run(ctx, wheres)
 
 
+def run_concurrency(ctx: Context, wheres: list[str]) -> None:
+    """concurrency.py: several jobs saving into one directory while another loads it."""
+    from .concurrency import run_concurrency as run
+
+    run(ctx, wheres)
+
+
 SINGLE_PROCESS = {
     "save": run_save,
     "load": run_load,
@@ -836,4 +844,5 @@ SINGLE_PROCESS = {
     "gpu_load": run_gpu_load,
     "gpu_async": run_gpu_async,
     "train_loop": run_train_loop,
+    "concurrency": run_concurrency,
 }

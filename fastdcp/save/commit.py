@@ -151,7 +151,7 @@ class CommittedMetadata:
 
 def _interfered(directory: str, what: str) -> ConcurrentSaveError:
     return ConcurrentSaveError(
-        f"another (concurrent) save into '{directory}' interfered with this one, so it was not "
+        f"a concurrent save into '{directory}' interfered with this one, so it was not "
         f"committed: {what}. The directory holds whatever the other save committed; save again "
         "(and give concurrent jobs different checkpoint directories)"
     )
