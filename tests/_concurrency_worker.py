@@ -1,8 +1,8 @@
 """Job functions for tests/save/test_concurrent_saves.py that the benchmark runner
-(benchmarks/concurrency.py) does not have: a "previous job" whose process-mode ``dcp.async_save``
+(fastdcp/bench/concurrency.py) does not have: a "previous job" whose process-mode ``dcp.async_save``
 is still in flight when a "new job" saves into the same directory.
 
-They run in children forked from :class:`benchmarks.concurrency.Zygote` (torch imported once),
+They run in children forked from :class:`fastdcp.bench.concurrency.Zygote` (torch imported once),
 started with ``zygote.fork(function, log, **args)``, and record what happened as JSON lines in
 ``records``: ``{"job", "event", "t", ...}`` with ``t`` from ``time.monotonic()`` (one clock for
 every process of the host).
@@ -15,7 +15,7 @@ import time
 import warnings
 from dataclasses import asdict
 
-from benchmarks.concurrency import _append, describe_error, make_state
+from fastdcp.bench.concurrency import _append, describe_error, make_state
 
 PAUSE_NOTES = "phases"           # in the control directory: the paused save notes its phase here
 TRIGGER_TIMEOUT_S = 120.0        # the daemon of a process-mode save starts a Python with torch

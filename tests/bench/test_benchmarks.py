@@ -1,4 +1,4 @@
-"""Tests of the benchmark harness (benchmarks/) on tiny sizes.
+"""Tests of the benchmark harness (fastdcp/bench/) on tiny sizes.
 
 When fastdcp does not import (e.g. before the extension is built), the harness runs with
 FASTDCP_BENCH_STANDIN=1 (stock classes standing in for fastdcp), so that these tests check the
@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.config import config_from_args, parse_size
-from benchmarks.floor import BASELINE_SYSTEMS, NullStorageReader, NullStorageWriter
-from benchmarks.runner import EXIT_NO_FASTDCP, EXIT_VERIFY, main
-from benchmarks.state import (VerificationError, build_destination, build_state, clone_state,
+from fastdcp.bench.config import config_from_args, parse_size
+from fastdcp.bench.floor import BASELINE_SYSTEMS, NullStorageReader, NullStorageWriter
+from fastdcp.bench.runner import EXIT_NO_FASTDCP, EXIT_VERIFY, main
+from fastdcp.bench.state import (VerificationError, build_destination, build_state, clone_state,
                               corrupt_one_byte, fill_box, llm_like_spec, make_tensor, verify_state)
-from benchmarks.systems import SYSTEM_NAMES, STANDIN_ENV, FastDCPUnavailable, resolve_systems
+from fastdcp.bench.systems import SYSTEM_NAMES, STANDIN_ENV, FastDCPUnavailable, resolve_systems
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def standin_if_needed(monkeypatch):
 def test_harness_runs_and_reports_both_systems_and_limits(tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", *TINY, "--scenarios", "save,load,reshard,small",
+        [sys.executable, "-m", "fastdcp.bench", *TINY, "--scenarios", "save,load,reshard,small",
          "--systems", "stock,fastdcp", "--dir", str(tmp_path), "--json", str(out)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -175,7 +175,7 @@ print(json.dumps({{"jobs": [{{rw: {{"bw_bytes": bw}}}}]}}))
 
 @pytest.mark.parametrize("no_direct", [False, True])
 def test_fio_probe_parses_json_and_falls_back_to_buffered(fake_fio, monkeypatch, no_direct):
-    from benchmarks.limits import probe_storage
+    from fastdcp.bench.limits import probe_storage
 
     data = fake_fio(_FAKE_FIO)
     if no_direct:
@@ -188,7 +188,7 @@ def test_fio_probe_parses_json_and_falls_back_to_buffered(fake_fio, monkeypatch,
 
 
 def test_python_probe_and_limit_keys(tmp_path):
-    from benchmarks.limits import Limits, probe_storage
+    from fastdcp.bench.limits import Limits, probe_storage
 
     lim = probe_storage(str(tmp_path), 8 << 20, [(1 << 20, 2)], method="python")
     assert lim.write_gibps > 0 and lim.read_gibps > 0 and "python" in lim.method
@@ -212,7 +212,7 @@ def test_small_floor_planners_and_async_rows(tmp_path):
     present or noted as unavailable, async blocked/durable over reused writers with the bare copy."""
     out = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", *TINY, "--scenarios", "small,async", "--repeats", "2",
+        [sys.executable, "-m", "fastdcp.bench", *TINY, "--scenarios", "small,async", "--repeats", "2",
          "--dir", str(tmp_path), "--json", str(out)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -294,7 +294,7 @@ def test_async_process_mode(tmp_path):
     """AsyncCheckpointerType.PROCESS in one process (a 1-rank gloo group, a daemon spawned once)."""
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", *TINY, "--scenarios", "async", "--systems", "stock,fastdcp",
+        [sys.executable, "-m", "fastdcp.bench", *TINY, "--scenarios", "async", "--systems", "stock,fastdcp",
          "--async-modes", "process", "--async-saves", "2", "--dir", str(tmp_path), "--json", str(out)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -338,7 +338,7 @@ def test_small_and_async_options():
 
 
 def test_peer_and_new_writer_options():
-    from benchmarks.peers import PEER_NAMES
+    from fastdcp.bench.peers import PEER_NAMES
 
     q = config_from_args(["--quick"])
     assert "async_new_writer" in q.scenarios and q.peers == list(PEER_NAMES)
@@ -356,7 +356,7 @@ def test_peer_and_new_writer_options():
 
 
 def test_baselines_in_finalize():
-    from benchmarks.results import Recorder, finalize
+    from fastdcp.bench.results import Recorder, finalize
 
     rec = Recorder()
     case = {"op": "save", "run": "2nd+"}
@@ -377,7 +377,7 @@ def test_baselines_in_finalize():
 # --------------------------------------------------------------------------- peers, async_new_writer
 
 def _peer_importable(name: str) -> bool:
-    from benchmarks.peers import PeerUnavailable, resolve_peers
+    from fastdcp.bench.peers import PeerUnavailable, resolve_peers
 
     try:
         resolve_peers([name])
@@ -406,7 +406,7 @@ def _flip_payload_byte(root: Path, sd: dict) -> str:
 def test_peer_save_verifies_and_a_corrupted_file_fails(tmp_path, name):
     """Each installed peer: a real durable save of a small LLM-like state, loaded back bit-exact;
     one flipped payload byte in its file makes the verification raise."""
-    from benchmarks.peers import resolve_peers
+    from fastdcp.bench.peers import resolve_peers
 
     if not _peer_importable(name):
         pytest.skip(f"{name} is not installed")
@@ -424,7 +424,7 @@ def test_peer_save_verifies_and_a_corrupted_file_fails(tmp_path, name):
 
 
 def test_missing_peers_are_notes_not_errors(tmp_path, capsys, monkeypatch, standin_if_needed):
-    from benchmarks.peers import PeerUnavailable, resolve_peers
+    from fastdcp.bench.peers import PeerUnavailable, resolve_peers
 
     for top in ("safetensors", "torchsnapshot", "nvidia_resiliency_ext"):
         for mod in [top, *(m for m in sys.modules if m.startswith(top + "."))]:
@@ -452,7 +452,7 @@ def test_missing_peers_are_notes_not_errors(tmp_path, capsys, monkeypatch, stand
 
 
 def test_peer_that_cannot_run_is_left_out_with_a_note_and_a_mismatch_fails(tmp_path):
-    from benchmarks.peers import Peer, prepare_peers, resolve_peers
+    from fastdcp.bench.peers import Peer, prepare_peers, resolve_peers
 
     def broken_save(sd, path):
         raise OSError("no space left on device (test)")
@@ -476,7 +476,7 @@ def test_peer_with_corrupt_output_fails_the_run(tmp_path, capsys, monkeypatch, s
     """A peer whose saved file does not hold what was saved: a save-only run (verified after the
     save loop) stops with exit status 3; so does a peer's load in the load scenario that does
     not return what was saved (the test hook flips a byte after it)."""
-    import benchmarks.peers as peers_mod
+    import fastdcp.bench.peers as peers_mod
 
     real = peers_mod._BUILDERS["torch_save"]
     calls = {"saves": 0}
@@ -507,8 +507,8 @@ def test_peer_with_corrupt_output_fails_the_run(tmp_path, capsys, monkeypatch, s
 
 
 def test_vs_best_peer_in_results_and_summary():
-    from benchmarks.report import peer_lines
-    from benchmarks.results import Recorder, finalize
+    from fastdcp.bench.report import peer_lines
+    from fastdcp.bench.results import Recorder, finalize
 
     rec = Recorder()
     for system, secs in (("stock", 4.0), ("stock_best", 2.0), ("fastdcp", 1.0), ("torch_save", 1.6),
@@ -555,7 +555,7 @@ def test_peers_in_save_and_load_report_vs_best_peer(tmp_path, capsys, standin_if
 def test_async_new_writer_makes_a_writer_per_save(tmp_path, capsys, monkeypatch, standin_if_needed):
     """async_new_writer: a new writer object per save (async reuses one per system), 1st and 2nd+
     saves reported apart in both phases, every checkpoint verified (canary)."""
-    from benchmarks.systems import System
+    from fastdcp.bench.systems import System
 
     made: list[str] = []
     real = System.async_writer
@@ -596,7 +596,7 @@ def test_safetensors_peer_handles_shared_views_and_objects(tmp_path):
     """What safetensors refuses (tied weights, views into a larger storage, non-contiguous
     tensors) is saved as a user would (own copies); JSON-able objects go in the metadata, others
     are skipped with a note and left out of the verification."""
-    from benchmarks.peers import resolve_peers
+    from fastdcp.bench.peers import resolve_peers
 
     if not _peer_importable("safetensors"):
         pytest.skip("safetensors is not installed")

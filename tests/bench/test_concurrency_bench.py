@@ -1,4 +1,4 @@
-"""Tests of the concurrency scenario (benchmarks/concurrency.py) in the benchmark runner: one round
+"""Tests of the concurrency scenario (fastdcp/bench/concurrency.py) in the benchmark runner: one round
 per system and case end to end (JSON rows and the printed table agree with each other), the
 table from hand-made rows, and its place among the options (not in --quick)."""
 
@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from benchmarks.concurrency import CASES, SAVES_PER_WRITER, SCENARIO
-from benchmarks.config import config_from_args
-from benchmarks.report import concurrency_lines, concurrency_rows
-from benchmarks.results import Recorder, finalize
-from benchmarks.runner import main
-from benchmarks.systems import STANDIN_ENV
+from fastdcp.bench.concurrency import CASES, SAVES_PER_WRITER, SCENARIO
+from fastdcp.bench.config import config_from_args
+from fastdcp.bench.report import concurrency_lines, concurrency_rows
+from fastdcp.bench.results import Recorder, finalize
+from fastdcp.bench.runner import main
+from fastdcp.bench.systems import STANDIN_ENV
 
 # the scenario's own sizes are fixed; these only keep the runner's storage probes small
 TINY = ["--size", "16MiB", "--repeats", "1", "--no-shm", "--probe-size", "32MiB", "--cold", "fadvise_dontneed"]

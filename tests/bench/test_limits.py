@@ -1,4 +1,4 @@
-"""Tests of the storage-limit probes (benchmarks/limits.py): one-file and one-file-per-thread
+"""Tests of the storage-limit probes (fastdcp/bench/limits.py): one-file and one-file-per-thread
 runs on real files in tmp_path at small sizes, the choice of the limit, and fio command lines
 (with a fake fio; a real one only when installed)."""
 
@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from benchmarks import limits as L
-from benchmarks.limits import (Limits, ProbeRun, fio_command, file_ladder, probe_paths,
+from fastdcp.bench import limits as L
+from fastdcp.bench.limits import (Limits, ProbeRun, fio_command, file_ladder, probe_paths,
                                probe_storage)
 
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""Tests of the train_loop scenario (benchmarks/training_loop.py) on a tiny model: rows for every
+"""Tests of the train_loop scenario (fastdcp/bench/training_loop.py) on a tiny model: rows for every
 system that can run here (a note for each one that cannot), every checkpoint verified, and a
 verification that fails when a checkpoint does not hold the state of its async_save call."""
 
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import benchmarks.training_loop as tl
-from benchmarks.config import config_from_args
-from benchmarks.report import train_loop_lines, train_loop_rows
-from benchmarks.results import Recorder, finalize
-from benchmarks.runner import EXIT_VERIFY, main
-from benchmarks.scenarios import Context, Progress
-from benchmarks.state import VerificationError
-from benchmarks.systems import STANDIN_ENV, resolve_systems
+import fastdcp.bench.training_loop as tl
+from fastdcp.bench.config import config_from_args
+from fastdcp.bench.report import train_loop_lines, train_loop_rows
+from fastdcp.bench.results import Recorder, finalize
+from fastdcp.bench.runner import EXIT_VERIFY, main
+from fastdcp.bench.scenarios import Context, Progress
+from fastdcp.bench.state import VerificationError
+from fastdcp.bench.systems import STANDIN_ENV, resolve_systems
 
 # 4 MiB of model + AdamW state, 6 steps with an async_save every 2 (3 checkpoints per loop)
 TINY = ["--size", "4MiB", "--train-steps", "6", "--train-every", "2", "--repeats", "1", "--no-shm",

@@ -1,5 +1,5 @@
 """Two jobs, one checkpoint directory: real processes saving into the same directory at the same
-time while another process loads it (benchmarks/concurrency.py runs the rounds).
+time while another process loads it (fastdcp/bench/concurrency.py runs the rounds).
 
 What fastdcp promises there, and what every test here checks:
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import _concurrency_worker as worker
-from benchmarks.concurrency import (MIX, OK, SEED_STATE, SharedDirectoryResult, Zygote, _read_jsonl,
+from fastdcp.bench.concurrency import (MIX, OK, SEED_STATE, SharedDirectoryResult, Zygote, _read_jsonl,
                                     _tail, classify_loaded, final_load, make_state, referenced_files,
                                     run_shared_directory, tensor_elements, tensor_key)
 from fastdcp import FastFileSystemWriter

@@ -23,12 +23,17 @@ from .report import (concurrency_lines, header_lines, peer_lines, print_report, 
                      write_plot)
 from .reshard import run_reshard
 from .results import Recorder, finalize
+from .concurrency import run_concurrency
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
+from .training_loop import run_train_loop
 from .state import VerificationError
 from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
 
 EXIT_OK, EXIT_USAGE, EXIT_VERIFY, EXIT_NO_FASTDCP = 0, 2, 3, 4
 SHM = "/dev/shm"
+
+# Every single-process scenario by name: scenarios.py's, and the two modules built on it.
+SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency}
 
 
 def _banner(lines: list[str]) -> None:
@@ -96,13 +101,13 @@ def _run(cfg: BenchConfig, ctx: Context) -> int:
             run_small(ctx, [w for w in c.small_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "small")
         elif scen == "train_loop":
-            SINGLE_PROCESS[scen](ctx, [w for w in c.train_wheres if w in ctx.targets] or ["dir"])
+            SCENARIO_RUNNERS[scen](ctx, [w for w in c.train_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "train")
         elif scen in ASYNC_SCENARIOS:
-            SINGLE_PROCESS[scen](ctx, [w for w in c.async_wheres if w in ctx.targets] or ["dir"])
+            SCENARIO_RUNNERS[scen](ctx, [w for w in c.async_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "async")
         else:
-            SINGLE_PROCESS[scen](ctx, wheres)
+            SCENARIO_RUNNERS[scen](ctx, wheres)
             if scen == "gpu_save":
                 _release(ctx, "gpu")
     return EXIT_OK

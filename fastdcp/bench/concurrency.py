@@ -35,9 +35,9 @@ Processes: the saving and loading processes are forked from a zygote (:class:`Zy
 round costs saves and loads, not interpreter starts; each child runs one job function
 (``module:function``), so tests can run jobs of their own in the same way.
 
-The benchmark suite (``python -m benchmarks --scenarios concurrency``) runs, per system (stock,
+The benchmark suite (``python -m fastdcp.bench --scenarios concurrency``) runs, per system (stock,
 fastdcp) and ``--repeats`` rounds each, 2 writers, and 3 writers + a loader (16 tensors of
-2 MiB, 8 saves per writer), and prints the counts (benchmarks/report.py, ``concurrency_lines``).
+2 MiB, 8 saves per writer), and prints the counts (fastdcp/bench/report.py, ``concurrency_lines``).
 """
 
 from __future__ import annotations
@@ -383,7 +383,7 @@ class Zygote:
         # The DCP process-mode daemon opens its TCPStore at MASTER_ADDR (else the host's FQDN).
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from benchmarks.concurrency import zygote_main; zygote_main()"],
+            [sys.executable, "-c", "from fastdcp.bench.concurrency import zygote_main; zygote_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=repo)
         ready = self._read()
         if "ready" not in ready:

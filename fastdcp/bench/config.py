@@ -88,7 +88,7 @@ def _csv(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        prog="python -m fastdcp.bench",
         description="fastdcp vs stock torch.distributed.checkpoint storage benchmarks. "
                     "Every load is verified bit-exact; a mismatch exits with status 3.")
     p.add_argument("--quick", action="store_true",

@@ -221,7 +221,7 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
 # of the benchmark process.
 # torch._dynamo is imported lazily by the first DTensor.from_local (~1.5 s per rank).
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.tensor",
-            "torch.distributed.device_mesh", "benchmarks.reshard"]
+            "torch.distributed.device_mesh", "fastdcp.bench.reshard"]
 
 
 def _start_method() -> str:

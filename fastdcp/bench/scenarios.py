@@ -819,21 +819,6 @@ def run_checkpoint_load(ctx: Context, checkpoint: str, dir_where: str | None) ->
                 _log(ctx, "load", "ckpt", system.name, cache, rep, dt, nbytes)
 
 
-def run_train_loop(ctx: Context, wheres: list[str]) -> None:
-    """training_loop.py: a training loop with an async_save every k steps (imported here, on
-    use, because it builds on this module)."""
-    from .training_loop import run_train_loop as run
-
-    run(ctx, wheres)
-
-
-def run_concurrency(ctx: Context, wheres: list[str]) -> None:
-    """concurrency.py: several jobs saving into one directory while another loads it."""
-    from .concurrency import run_concurrency as run
-
-    run(ctx, wheres)
-
-
 SINGLE_PROCESS = {
     "save": run_save,
     "load": run_load,
@@ -843,6 +828,4 @@ SINGLE_PROCESS = {
     "gpu_save": run_gpu_save,
     "gpu_load": run_gpu_load,
     "gpu_async": run_gpu_async,
-    "train_loop": run_train_loop,
-    "concurrency": run_concurrency,
-}
+}  # runner.py adds training_loop.py's and concurrency.py's, which build on this module

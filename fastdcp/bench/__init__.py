@@ -1,7 +1,7 @@
 """fastdcp benchmark suite: fastdcp vs stock torch.distributed.checkpoint storage and peers.
 
-Run `python -m benchmarks --quick` (a few minutes) or `python -m benchmarks` (full, 2 GiB);
-`python -m benchmarks --help` lists the options. Modules:
+Run `python -m fastdcp.bench --quick` (a few minutes) or `python -m fastdcp.bench` (full, 2 GiB);
+`python -m fastdcp.bench --help` lists the options. Modules:
 
 * config     command line -> BenchConfig
 * systems    the compared systems (stock, stock_best, fastdcp, fastdcp_planners)
