@@ -17,6 +17,7 @@ The package, one stage a folder (docs/ARCHITECTURE.md walks one save and one loa
 
 from __future__ import annotations
 
+import logging
 import platform
 
 import torch
@@ -33,6 +34,10 @@ from .save.guard import StagingGuard, guard
 from .save.inflight import ConcurrentSaveError
 from .save.staging_pool import StagingPoolStats, release_staging, set_staging_pool_limit, staging_pool_stats
 from .save.writer import FastFileSystemWriter
+
+# The library logs through this one logger and never prints: without a handler configured by the
+# application, nothing appears (not even warnings through logging's last-resort handler).
+logging.getLogger("fastdcp").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 __all__ = [

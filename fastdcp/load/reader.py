@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
+import logging
 import os
 import resource
 import time
@@ -51,6 +52,8 @@ from .placement import run_placements
 from .verify import verify_checksums
 
 __all__ = ["FastFileSystemReader", "ConcurrentOverwriteError"]
+
+logger = logging.getLogger("fastdcp")  # the library's one logger: it prints nothing by itself
 
 _STOCK_INIT_PARAMS = frozenset(inspect.signature(FileSystemReader.__init__).parameters)
 
@@ -205,6 +208,8 @@ class FastFileSystemReader(FileSystemReader):
         # the items fastdcp hands back to it, so this is checked up front, not only in _open).
         check_data_paths(self.path, metadata.storage_data)
         if not self._pin(metadata):  # a file vanished: an overwrite committed since the read
+            logger.info("a data file of %s vanished right after its .metadata was read (a concurrent save "
+                        "committed): reading .metadata again", self.path)
             metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata)
             check_data_paths(self.path, metadata.storage_data)
             self._pin(metadata)  # still missing: a damaged checkpoint, reported when read
@@ -301,6 +306,7 @@ class FastFileSystemReader(FileSystemReader):
             self.last_stats = run_placements(engine, placements, planner, self.io_options, self._direct)
             self.last_stats["plan_seconds"] = plan_seconds
             self.last_stats["blobs_recognised"] = known.recognised  # by layout, without parsing
+            logger.debug("read %d files of %s: %s", len(files), self.path, self.last_stats)
         finally:
             for f in files.values():
                 f.close()

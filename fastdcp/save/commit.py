@@ -22,6 +22,7 @@ current), failed, or died. No other file is ever removed.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 _TOKEN_HEX = 8
+
+logger = logging.getLogger("fastdcp")  # the library's one logger: it prints nothing by itself
 
 # A prefix this writer generated: "__{rank}_{token}_". Only files under such a prefix are ever
 # removed after a failed save (they cannot belong to any other save: the token is checked unique).
@@ -211,6 +214,7 @@ def commit_metadata(
         _fsync_directory(directory)  # the commit is durable before anything old is removed
     for owned in tokens:  # after the rename: see the module docstring for why not before
         inflight.release(directory, owned)
+    logger.debug("committed %s in %s (%d data files)", metadata_name, directory, len(new_files))
     return CommittedMetadata(metadata_name, (st.st_dev, st.st_ino), frozenset(new_files))
 
 
@@ -267,6 +271,9 @@ def remove_unreferenced(directory: str, committed: CommittedMetadata, rank: int 
             dead_markers.append(name)
     tokens = {token for _, token in candidates if token} | {inflight.marker_token(n) for n in dead_markers}
     live = {token for token in tokens if inflight.is_live(directory, token)}
+    if live:
+        logger.info("cleanup of %s keeps the files of %d save(s) still in flight (tokens %s)",
+                    directory, len(live), ", ".join(sorted(live)))
     dead_markers = [n for n in dead_markers if inflight.marker_token(n) not in live]
     candidates = [(name, token) for name, token in candidates if token not in live]
     # 2. What the metadata references now. Rank-local metadata next to a global .metadata may
@@ -305,3 +312,4 @@ def remove_unreferenced(directory: str, committed: CommittedMetadata, rank: int 
             crash_point("cleanup_mid")
     for name in dead_markers:
         _remove_quietly(os.path.join(directory, name))
+    logger.debug("cleanup of %s removed %d old files and %d markers of ended saves", directory, removed, len(dead_markers))
