@@ -27,6 +27,8 @@ from .default_storage import HookNotFoundError, RestoreOnExit, disable, enable, 
 from .format.blob import BlobFormatError
 from .format.checksums import ChecksumError
 from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
+from .load.lazy import ChunkInfo, LazyCheckpoint, ObjectInfo, TensorInfo, TensorSlice
+from .load.lazy import open_checkpoint as open  # noqa: A001 - fastdcp.open(path), like safetensors' safe_open
 from .load.reader import ConcurrentOverwriteError, FastFileSystemReader
 from .planners import FastLoadPlanner, FastSavePlanner
 from .save.async_staging import StagingFuture, StagingReport, wait_for_staging
@@ -66,6 +68,12 @@ __all__ = [
     "is_enabled",
     "RestoreOnExit",
     "HookNotFoundError",
+    "open",
+    "LazyCheckpoint",
+    "TensorSlice",
+    "TensorInfo",
+    "ChunkInfo",
+    "ObjectInfo",
     "build_info",
     "__version__",
 ]

@@ -5,6 +5,10 @@
                                              writer recorded (checksums=True; reads those items
                                              whole); exit 0 = OK, 1 = damaged, 2 = usage error or
                                              not a checkpoint
+    python -m fastdcp convert SRC DST [--dtype bf16] [--keys REGEX] [--max-shard-size 5GB]
+                                      [--memory-budget 1GiB]
+                                             to .safetensors (sharded past --max-shard-size, with
+                                             an index JSON) or .pt, streamed within the budget
 
 Works on checkpoints written by stock DCP and by fastdcp. Nothing in the checkpoint is trusted:
 ``.metadata`` goes through the restricted loader (:mod:`fastdcp.format.metadata`; ``--allow-unsafe-metadata``
@@ -18,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from ..format.metadata import CheckpointFormatError
-from .checkpoint import EXIT_DAMAGED, EXIT_USAGE, NotACheckpoint, open_checkpoint
+from .checkpoint import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, NotACheckpoint, open_checkpoint
+from .convert_command import DTYPE_NAMES, ConvertOptions, parse_size, run_convert
 from .inspect_command import run_inspect
 from .verify_command import run_verify
 
@@ -57,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fastdcp", description="Inspect and verify PyTorch Distributed Checkpoint directories."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,convert}")
     for name, help_text in (
         ("inspect", "list tensors (shape, dtype, chunks), byte items and files"),
         ("verify", "check structure (metadata, files, byte ranges, blob headers); exit 0 OK, 1 damaged, 2 not a checkpoint"),
@@ -70,11 +76,52 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="unpickle .metadata with plain pickle (runs any code it names: trusted checkpoints only)",
         )
+    convert = sub.add_parser(
+        "convert", help="write the checkpoint as .safetensors (optionally sharded) or .pt",
+        description="Write a DCP checkpoint as .safetensors (tensors only, streamed; sharded past "
+        "--max-shard-size with a model.safetensors.index.json) or .pt (a torch.save state dict).",
+    )
+    convert.add_argument("directory", metavar="SRC", help="checkpoint directory")
+    convert.add_argument("destination", metavar="DST", help="output file: *.safetensors, *.pt or *.pth")
+    convert.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="cast floating-point tensors to this dtype")
+    convert.add_argument("--keys", metavar="REGEX", help="keep only the (flattened) keys this matches (re.search)")
+    convert.add_argument("--max-shard-size", metavar="SIZE", type=parse_size,
+                         help="split .safetensors output into files of at most SIZE (e.g. 5GB, 2GiB)")
+    convert.add_argument("--memory-budget", metavar="SIZE", type=parse_size, default=parse_size("1GiB"),
+                         help="memory for tensor data in flight (default 1GiB; .pt output also holds the "
+                         "largest tensor whole)")
+    convert.add_argument("--include-objects", action="store_true",
+                         help=".pt only: keep non-tensor entries (unpickled as DCP does: trusted checkpoints only)")
+    convert.add_argument("--allow-unsafe-metadata", action="store_true",
+                         help="unpickle .metadata with plain pickle (runs any code it names: trusted checkpoints only)")
     return parser
+
+
+def _convert(args: argparse.Namespace) -> int:
+    options = ConvertOptions(
+        source=args.directory, destination=args.destination,
+        dtype=DTYPE_NAMES[args.dtype] if args.dtype else None, keys=args.keys,
+        max_shard_size=args.max_shard_size, memory_budget=args.memory_budget,
+        include_objects=args.include_objects, allow_unsafe_metadata=args.allow_unsafe_metadata,
+    )
+    try:
+        written = run_convert(options)
+    except FileNotFoundError as e:  # CheckpointNotFoundError included
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, re.error) as e:  # CheckpointFormatError and BlobFormatError are ValueErrors
+        damaged = isinstance(e, CheckpointFormatError) or type(e).__name__ == "BlobFormatError"
+        print(f"{'DAMAGED' if damaged else 'error'}: {e}", file=sys.stderr)
+        return EXIT_DAMAGED if damaged else EXIT_USAGE
+    for name in written:
+        print(name)
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "convert":
+        return _convert(args)
     directory = args.directory
     try:
         ckpt = open_checkpoint(directory, args.allow_unsafe_metadata)

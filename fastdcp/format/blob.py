@@ -45,6 +45,8 @@ __all__ = [
     "TensorBlobLayout",
     "tensor_blob_layout",
     "is_plain_dense",
+    "tensor_stand_in",
+    "pickle_stand_ins",
 ]
 
 ZIP_ALIGN = 64  # blobs start at 64-aligned file offsets (torch's storage_alignment convention)
@@ -210,31 +212,36 @@ def _pickle_recipe(dtype: torch.dtype) -> _PickleRecipe:
     return _PickleRecipe(func, storage_type, numel_is_bytes, tuple(args[6:]))
 
 
-@functools.lru_cache(maxsize=16384)
-def _data_pkl(dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
-    """``archive/data.pkl`` as ``torch.save`` writes it for a CPU tensor owning its storage."""
+def tensor_stand_in(dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], storage_key: str) -> Any:
+    """An object that :func:`pickle_stand_ins` pickles exactly as ``torch.save`` pickles a CPU
+    tensor of ``dtype``/``size``/``stride`` owning storage ``storage_key`` (no data is touched)."""
     recipe = _pickle_recipe(dtype)
     numel = 1
     for s in size:
         numel *= s
     storage_numel = numel * dtype.itemsize if recipe.numel_is_bytes else numel
-    # Persistent id exactly as torch.serialization._save builds it: key "0" (first and only
-    # storage), location "cpu" whatever the source device (torch.save of tensor.cpu()).
-    storage = _StorageStub(("storage", recipe.storage_type, "0", "cpu", storage_numel))
+    # Persistent id exactly as torch.serialization._save builds it (location "cpu" whatever the
+    # source device: torch.save of tensor.cpu()).
+    storage = _StorageStub(("storage", recipe.storage_type, storage_key, "cpu", storage_numel))
     # Fresh tuples for size and stride: the pickler memoizes by identity, and torch's two
     # tuples are distinct objects, so ours must be too.
-    args = (
-        storage,
-        0,
-        tuple(size),
-        tuple(stride),
-        False,
-        collections.OrderedDict(),
-        *recipe.trailing_args,
-    )
+    args = (storage, 0, tuple(size), tuple(stride), False, collections.OrderedDict(), *recipe.trailing_args)
+    return _TensorStub((recipe.rebuild_func, args))
+
+
+def pickle_stand_ins(obj: Any) -> bytes:
+    """``obj`` pickled as ``torch.save`` pickles ``data.pkl``, with :func:`tensor_stand_in` objects
+    standing for tensors."""
     buf = io.BytesIO()
-    _StubPickler(buf, protocol=_PICKLE_PROTOCOL).dump(_TensorStub((recipe.rebuild_func, args)))
+    _StubPickler(buf, protocol=_PICKLE_PROTOCOL).dump(obj)
     return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=16384)
+def _data_pkl(dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
+    """``archive/data.pkl`` as ``torch.save`` writes it for a CPU tensor owning its storage (key
+    "0": the first and only storage)."""
+    return pickle_stand_ins(tensor_stand_in(dtype, size, stride, "0"))
 
 
 def _random_serialization_id() -> str:

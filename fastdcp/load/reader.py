@@ -51,7 +51,7 @@ from .pieces import Placement, plan_placement
 from .placement import run_placements
 from .verify import verify_checksums
 
-__all__ = ["FastFileSystemReader", "ConcurrentOverwriteError"]
+__all__ = ["FastFileSystemReader", "ConcurrentOverwriteError", "pin_limit"]
 
 logger = logging.getLogger("fastdcp")  # the library's one logger: it prints nothing by itself
 
@@ -76,7 +76,8 @@ class ConcurrentOverwriteError(RuntimeError):
     step around (different ranks read different saves, or a file vanished after pinning gave up)."""
 
 
-def _pin_limit() -> int:
+def pin_limit() -> int:
+    """How many data files a load opens right after reading ``.metadata``."""
     try:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (OSError, ValueError):
@@ -224,7 +225,7 @@ class FastFileSystemReader(FileSystemReader):
         pins. False when one of them does not exist (no pins are kept then)."""
         self._unpin()
         names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-        if not names or len(names) > _pin_limit():
+        if not names or len(names) > pin_limit():
             return True
         direct = self.io_options.direct_for(str(self.path))
         try:
