@@ -13,7 +13,7 @@ from .systems import SYSTEM_NAMES, standin_requested
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "train_loop", "concurrency")
+CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "train_loop", "concurrency", "convert")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async")
 ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS
 QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer")

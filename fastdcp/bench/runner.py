@@ -24,6 +24,7 @@ from .report import (concurrency_lines, header_lines, peer_lines, print_report, 
 from .reshard import run_reshard
 from .results import Recorder, finalize
 from .concurrency import run_concurrency
+from .convert import run_convert
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
 from .training_loop import run_train_loop
 from .state import VerificationError
@@ -32,8 +33,9 @@ from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
 EXIT_OK, EXIT_USAGE, EXIT_VERIFY, EXIT_NO_FASTDCP = 0, 2, 3, 4
 SHM = "/dev/shm"
 
-# Every single-process scenario by name: scenarios.py's, and the two modules built on it.
-SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency}
+# Every single-process scenario by name: scenarios.py's, and the modules built on it.
+SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
+                    "convert": run_convert}
 
 
 def _banner(lines: list[str]) -> None:

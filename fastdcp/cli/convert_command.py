@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..format.blob import pickle_stand_ins, tensor_stand_in
-from ..load.lazy import LazyCheckpoint, TensorInfo, open_checkpoint
+from ..load.lazy import LazyCheckpoint, StoredRun, TensorInfo, open_checkpoint
 
 __all__ = ["ConvertOptions", "run_convert", "parse_size", "DTYPE_NAMES", "SAFETENSORS_DTYPES"]
 
@@ -171,6 +171,39 @@ def _blocks(ckpt: LazyCheckpoint, tensor: _Tensor, block_bytes: int):
         yield handle[start : start + step].to(tensor.out_dtype)
 
 
+def _copy_run(run: StoredRun, out: Any) -> None:
+    """Append ``run``'s bytes to ``out`` (flushed) inside the kernel: ``copy_file_range`` (same
+    filesystem, may share extents), else ``sendfile`` (any two files), else positional reads and
+    writes."""
+    fd = os.open(run.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        dst = out.fileno()
+        position, left = run.offset, run.nbytes
+        # Each copies up to ``n`` bytes at ``pos`` to dst's file position and returns the count.
+        methods = []
+        if hasattr(os, "copy_file_range"):
+            methods.append(lambda pos, n: os.copy_file_range(fd, dst, n, pos))
+        if hasattr(os, "sendfile"):
+            methods.append(lambda pos, n: os.sendfile(dst, fd, pos, n))
+        methods.append(lambda pos, n: os.write(dst, os.pread(fd, min(n, 64 << 20), pos)))
+        for method in methods:
+            try:
+                while left:
+                    done = method(position, min(left, 1 << 30))
+                    if done == 0:
+                        raise EOFError(f"'{run.path}' ends before byte {position + left}")
+                    position += done
+                    left -= done
+            except OSError:  # EXDEV across filesystems, EINVAL/ENOSYS where unsupported: next one
+                if method is methods[-1]:
+                    raise
+                continue
+            break
+        out.seek(0, os.SEEK_END)  # the buffered writer continues after the copied bytes
+    finally:
+        os.close(fd)
+
+
 def _raw(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
@@ -208,6 +241,17 @@ def _write_safetensors_file(ckpt: LazyCheckpoint, tensors: list[_Tensor], path: 
         out.write(_safetensors_header(tensors))
         pending: Future | None = None
         for t in tensors:
+            run = ckpt.stored_run(t.key) if t.out_dtype == t.info.dtype else None
+            if run is not None:
+                # Stored as exactly the bytes safetensors wants: copied file to file by the
+                # kernel, never through this process's memory.
+                if pending is not None:
+                    pending.result()
+                    pending = None
+                out.flush()
+                _copy_run(run, out)
+                progress.advance(run.nbytes, 1)
+                continue
             for block in _blocks(ckpt, t, block_bytes):
                 if pending is not None:
                     pending.result()

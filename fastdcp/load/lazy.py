@@ -63,7 +63,7 @@ from .placement import run_placements
 from .reader import pin_limit
 from .slicing import Box, box_of_index
 
-__all__ = ["ChunkInfo", "TensorInfo", "ObjectInfo", "TensorSlice", "LazyCheckpoint", "open_checkpoint"]
+__all__ = ["ChunkInfo", "TensorInfo", "ObjectInfo", "StoredRun", "TensorSlice", "LazyCheckpoint", "open_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,16 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """A tensor stored as one run of bytes in one data file: row-major, in its own dtype, so a
+    byte copy of the run is the tensor (what ``convert`` copies file to file)."""
+
+    path: str
+    offset: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -416,15 +426,7 @@ class LazyCheckpoint(Mapping):
         fallback: list[tuple[ReadItem, torch.Tensor, BlobFormatError]] = []
         for item, si, dest in items:
             file_windows = windows.get(si.relative_path, [])
-            blob = self._blobs.get((si.relative_path, si.offset))
-            if blob is None:
-                blob = self._known.match(item, si, file_windows)
-                if blob is None:
-                    try:
-                        blob = parse_blob(self._engine, files[si.relative_path], file_windows, si)
-                    except BlobFormatError as error:
-                        blob = error
-                self._blobs[(si.relative_path, si.offset)] = blob
+            blob = self._blob(item, si, files[si.relative_path], file_windows)
             if isinstance(blob, BlobFormatError):
                 fallback.append((item, dest, blob))
                 continue
@@ -433,6 +435,52 @@ class LazyCheckpoint(Mapping):
             stats = run_placements(self._engine, placements, _CollectingPlanner(), self.io_options, self._direct)
             self.bytes_read += int(stats["bytes_read"])
         return fallback
+
+    def _blob(self, item: ReadItem, si: _StorageInfo, file: _C.File, file_windows: list) -> TensorBlobInfo | BlobFormatError:
+        """The parsed header of the blob ``si`` names (remembered per object), from the header
+        windows already read (recognised by layout where possible, else parsed)."""
+        key = (si.relative_path, si.offset)
+        blob = self._blobs.get(key)
+        if blob is None:
+            blob = self._known.match(item, si, file_windows)
+            if blob is None:
+                try:
+                    blob = parse_blob(self._engine, file, file_windows, si)
+                except BlobFormatError as error:
+                    blob = error
+            self._blobs[key] = blob
+        return blob
+
+    def stored_run(self, key: str) -> StoredRun | None:
+        """Where ``key``'s bytes lie when the tensor is stored whole as one row-major run in its own
+        dtype (one chunk, no stream transform, not quantized); else None. Reads the blob's header
+        only."""
+        info = self.metadata(key)
+        if not isinstance(info, TensorInfo) or len(info.chunks) != 1 or info.dtype in _QUANTIZED_DTYPES:
+            return None
+        chunk = info.chunks[0]
+        if chunk.offsets != (0,) * len(info.shape) or chunk.sizes != info.shape:
+            return None
+        index = MetadataIndex(key, chunk.offsets, 0)
+        si = self._storage_info(index)
+        if getattr(si, "transform_descriptors", None):
+            return None
+        item = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size([0] * len(info.shape)),
+                        storage_index=index, storage_offsets=torch.Size([0] * len(info.shape)),
+                        lengths=torch.Size(info.shape))
+        file = self._file(si.relative_path)
+        file_windows: list = []
+        if (si.relative_path, si.offset) not in self._blobs:
+            windows = read_windows(self._engine, {si.relative_path: file}, {si.relative_path: [(item, si)]}, self._direct)
+            file_windows = windows.get(si.relative_path, [])
+            self.bytes_read += sum(len(w.data) for w in file_windows)
+        blob = self._blob(item, si, file, file_windows)
+        if isinstance(blob, BlobFormatError) or blob.dtype != info.dtype or tuple(blob.size) != info.shape:
+            return None
+        if tuple(blob.stride) != tuple(torch.empty(info.shape, device="meta").stride()):
+            return None
+        start = si.offset + blob.data_offset + blob.storage_offset * blob.itemsize
+        return StoredRun(os.path.join(str(self.path), si.relative_path), start, blob.nbytes)
 
     def _read_quantized(self, info: TensorInfo, box: Box) -> torch.Tensor:
         """Quantized tensors carry their scale and zero point in the blob's pickle: the chunk is
