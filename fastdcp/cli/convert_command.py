@@ -32,7 +32,6 @@ import json
 import os
 import re
 import sys
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 
 from ..format.blob import pickle_stand_ins, tensor_stand_in
+from .progress import Progress
 from ..load.lazy import LazyCheckpoint, StoredRun, TensorInfo, open_checkpoint
 
 __all__ = ["ConvertOptions", "run_convert", "parse_size", "DTYPE_NAMES", "SAFETENSORS_DTYPES"]
@@ -98,32 +98,6 @@ class _Tensor:
     @property
     def out_nbytes(self) -> int:
         return self.info.numel * self.out_dtype.itemsize
-
-
-class _Progress:
-    """One line on stderr, redrawn at most 5 times a second; silent when stderr is no terminal."""
-
-    def __init__(self, total_bytes: int, total_items: int) -> None:
-        self.enabled = sys.stderr.isatty()
-        self.total_bytes, self.total_items = total_bytes, total_items
-        self.done_bytes = self.done_items = 0
-        self.started = self._drawn = time.monotonic()
-
-    def advance(self, nbytes: int, items: int = 0) -> None:
-        self.done_bytes += nbytes
-        self.done_items += items
-        now = time.monotonic()
-        if self.enabled and (now - self._drawn >= 0.2 or self.done_items == self.total_items):
-            self._drawn = now
-            rate = self.done_bytes / max(now - self.started, 1e-9) / (1 << 20)
-            sys.stderr.write(f"\rconvert: {self.done_items}/{self.total_items} tensors, "
-                             f"{self.done_bytes / (1 << 30):.2f}/{self.total_bytes / (1 << 30):.2f} GiB, "
-                             f"{rate:.0f} MiB/s ")
-            sys.stderr.flush()
-
-    def finish(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
 
 
 def _note(text: str) -> None:
@@ -235,7 +209,7 @@ def _safetensors_header(tensors: list[_Tensor]) -> bytes:
 
 
 def _write_safetensors_file(ckpt: LazyCheckpoint, tensors: list[_Tensor], path: str, budget: int,
-                            progress: _Progress) -> None:
+                            progress: Progress) -> None:
     block_bytes = max(1, budget // 2)  # one block written while the next is read
     with open(path, "wb") as out, ThreadPoolExecutor(1, thread_name_prefix="fastdcp-convert") as writer:
         out.write(_safetensors_header(tensors))
@@ -266,7 +240,7 @@ def _write_safetensors_file(ckpt: LazyCheckpoint, tensors: list[_Tensor], path: 
 def _convert_safetensors(ckpt: LazyCheckpoint, options: ConvertOptions) -> list[str]:
     tensors, _ = _select(ckpt, options, for_safetensors=True)
     shards = _shards(tensors, options.max_shard_size)
-    progress = _Progress(sum(t.out_nbytes for t in tensors), len(tensors))
+    progress = Progress("convert", sum(t.out_nbytes for t in tensors), len(tensors), "tensors")
     dst = options.destination
     if len(shards) == 1:
         names = [dst]
@@ -317,7 +291,7 @@ def _convert_torch_save(ckpt: LazyCheckpoint, options: ConvertOptions) -> list[s
     entries: list[tuple[str, Any]] = [(t.key, _tensor_stand_in(t, keys[t.key])) for t in tensors]
     entries += [(key, ckpt[key]) for key in object_keys]
     data_pkl = pickle_stand_ins(_nested(ckpt, entries))
-    progress = _Progress(sum(t.out_nbytes for t in tensors), len(tensors))
+    progress = Progress("convert", sum(t.out_nbytes for t in tensors), len(tensors), "tensors")
     partial = options.destination + ".partial"
     serialization = torch.serialization
     writer = torch._C.PyTorchFileWriter(partial, serialization.get_crc32_options(),

@@ -12,6 +12,7 @@ import torch
 
 from ..format.blob import BlobFormatError
 from ..format.metadata import CHECKSUM_ATTRIBUTE
+from .progress import Progress
 from .checkpoint import EXIT_DAMAGED, EXIT_OK, Checkpoint, DataFile, dtype_name, parse_blob_headers, TORCH_LOAD_LIMIT
 
 
@@ -132,7 +133,9 @@ def run_verify(ckpt: Checkpoint, as_json: bool) -> int:
 
     tensors_checked = bytes_checked = skipped = 0
     damaged: set[tuple[str, int]] = set()  # (relative_path, offset) of items reported as damaged
+    progress = Progress("verify", sum(int(getattr(i, "length", 0) or 0) for i in storage.values()), len(storage))
     for index, info in storage.items():
+        progress.advance(int(getattr(info, "length", 0) or 0), 1)
         fqn = index.fqn
         file = ckpt.files[info.relative_path]
         before = len(problems)
@@ -147,6 +150,7 @@ def run_verify(ckpt: Checkpoint, as_json: bool) -> int:
         elif not file.error:
             tensors_checked += 1
 
+    progress.finish()
     checksum_note, mismatches = _check_checksums(ckpt, storage, damaged)
     for message in mismatches:
         problem(None, None, message)
