@@ -33,8 +33,10 @@ Non-tensor entries (``BYTE_IO``) are returned as DCP's ``load`` returns them: ``
 weights_only=False)`` of their bytes (plain unpickling: it runs code the checkpoint names, so only
 for trusted checkpoints); :meth:`LazyCheckpoint.read_bytes` gives the raw bytes without unpickling.
 
-``device=``: tensors are read into CPU memory and then moved with ``Tensor.to(device)`` (the
-reader's GPU placement path is not used here). One thread at a time per object.
+``device=``: a CUDA device gets the reader's GPU placement path (the result is allocated on the
+GPU and the pieces go through pinned staging and the batched kernel, as ``dcp.load`` into GPU
+tensors does); any other device gets the tensor read into CPU memory, then ``Tensor.to(device)``.
+Quantized tensors are always read on the CPU. One thread at a time per object.
 """
 
 from __future__ import annotations
@@ -360,11 +362,13 @@ class LazyCheckpoint(Mapping):
         if info.dtype in _QUANTIZED_DTYPES:
             out = self._read_quantized(info, box)
         else:
-            out = torch.empty(box.sizes, dtype=info.dtype)
+            # A CUDA destination is what dcp.load into GPU tensors hands the reader: the same
+            # placement path then reads through pinned staging straight onto the device.
+            out = torch.empty(box.sizes, dtype=info.dtype, device=self.device if self.device.type == "cuda" else "cpu")
             if math.prod(box.sizes) > 0:
                 self._fill(info, box, out)
         result = out.reshape(box.result_shape) if box.dropped else out
-        return result if self.device.type == "cpu" else result.to(self.device)
+        return result if result.device == self.device else result.to(self.device)
 
     def _fill(self, info: TensorInfo, box: Box, out: torch.Tensor) -> None:
         """Read every chunk's overlap with ``box`` into ``out`` (shaped like the box)."""

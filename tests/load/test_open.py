@@ -296,3 +296,15 @@ def test_stored_run_is_the_tensor_bytes_where_one_exists(saved, kind):
         with fastdcp.open(paths[kind]) as ckpt:
             transposed = [k for k in ckpt if k.startswith("model.") and "transpos" in k]
             assert transposed and all(ckpt.stored_run(k) is None for k in transposed), transposed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU placement path)")
+def test_cuda_device_reads_through_the_gpu_placement_path(saved, kind):
+    state, paths = saved
+    with fastdcp.open(paths[kind], device="cuda") as ckpt:
+        got = ckpt["big"]
+        assert got.device.type == "cuda"
+        assert torch.equal(got.cpu().view(torch.uint8), state["big"].view(torch.uint8))
+        part = ckpt.get_slice("big")[100:300, 7:90]
+        assert part.device.type == "cuda"
+        assert torch.equal(part.cpu().view(torch.uint8), state["big"][100:300, 7:90].contiguous().view(torch.uint8))
