@@ -11,8 +11,7 @@ training run's checkpoint), then converted, interleaved per repeat:
 * ``fastdcp_pt``: the same to ``DST.pt`` (torch.save's format, one tensor in memory at a time).
 
 Each conversion runs in this process, timed from the call to its return, and the peak extra
-resident memory it needed is measured (the peak is reset through ``/proc/self/clear_refs`` before
-each call). The last repeat's outputs are loaded back (``safetensors.torch.load_file`` /
+resident memory it needed is measured (``host_peak.HostPeak``). The last repeat's outputs are loaded back (``safetensors.torch.load_file`` /
 ``torch.load``) and compared bit-exact with the state. Both sides share the same interpreter, so
 the times exclude Python and torch start-up (about 3 s on the development machine, identical for
 both); the command-line numbers are in README next to these.
@@ -29,32 +28,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from .host_peak import HostPeak
 from .results import GIB
 from .state import VerificationError
 
 MIB = 1 << 20
-
-
-def _rss_bytes(field: str) -> int | None:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes (None without procfs)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    """Make ``VmHWM`` start again from the current RSS (Linux: ``clear_refs`` 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -115,9 +93,6 @@ def run_convert(ctx: Any, wheres: list[str]) -> None:
     except ImportError:
         systems = [s for s in systems if s[0] != "fastdcp"]
         ctx.note("convert: safetensors is not installed, so the .safetensors conversion is left out")
-    measured_peak = _reset_peak() and _rss_bytes("VmHWM") is not None
-    if not measured_peak:
-        ctx.note("convert: /proc/self/clear_refs is not writable here, so peak memory is not reported")
     for where in wheres:
         source = ctx.ckpt_dir(where, "convert", "source")
         shutil.rmtree(source, ignore_errors=True)
@@ -129,18 +104,18 @@ def run_convert(ctx: Any, wheres: list[str]) -> None:
                 out_dir = ctx.ckpt_dir(where, "convert", name)
                 shutil.rmtree(out_dir, ignore_errors=True)
                 os.makedirs(out_dir)
-                before = _rss_bytes("VmRSS") or 0
-                _reset_peak()
+                meter = HostPeak()
+                meter.start()
                 started = time.perf_counter()
                 path = convert(source, out_dir)
                 seconds = time.perf_counter() - started
-                peak = max(0, (_rss_bytes("VmHWM") or 0) - before) if measured_peak else None
+                peak = max(0, meter.stop() - meter.start_bytes)
                 ctx.recorder.add("convert", where, name, {"source": "stock-written"}, nbytes, seconds,
                                  f"write:{where}", {"convert": description},
                                  peak_extra_bytes=peak)
                 ctx.progress(f"convert  {where:<4} {name:<10} {rep + 1}/{ctx.cfg.repeats}: {seconds:7.3f} s  "
                              f"{nbytes / seconds / GIB:6.2f} GiB/s"
-                             + (f"  peak +{peak / MIB:.0f} MiB" if peak is not None else ""))
+                             + f"  peak +{peak / MIB:.0f} MiB")
                 if last:
                     _check(src, _load(path), f"convert/{where}/{name}")
                 shutil.rmtree(out_dir, ignore_errors=True)

@@ -12,8 +12,8 @@ import torch
 
 from ..format.blob import BlobFormatError
 from ..format.metadata import CHECKSUM_ATTRIBUTE
-from .progress import Progress
 from .checkpoint import EXIT_DAMAGED, EXIT_OK, Checkpoint, DataFile, dtype_name, parse_blob_headers, TORCH_LOAD_LIMIT
+from .progress import Progress
 
 
 def _check_checksums(ckpt: Checkpoint, storage: dict, damaged: set[tuple[str, int]]) -> tuple[str, list[str]]:

@@ -72,8 +72,8 @@ class _SaveIdentity:
 
 
 class ConcurrentOverwriteError(RuntimeError):
-    """A save replaced the checkpoint while this load was reading it, in a way the load could not
-    step around (different ranks read different saves, or a file vanished after pinning gave up)."""
+    """The ranks of one load read different saves of the checkpoint: a concurrent save replaced it
+    between their ``.metadata`` reads."""
 
 
 def pin_limit() -> int:
@@ -203,17 +203,15 @@ class FastFileSystemReader(FileSystemReader):
         ``allow_unsafe_metadata``, then structural validation and a check that no data file
         path leads out of the checkpoint; errors name the file. The parsed file is remembered
         (:class:`MetadataCache`) until it changes."""
-        rank = kwargs.get("rank")
-        metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata)
-        # Every data file the metadata names must stay inside the checkpoint (stock code reads
-        # the items fastdcp hands back to it, so this is checked up front, not only in _open).
-        check_data_paths(self.path, metadata.storage_data)
-        if not self._pin(metadata):  # a file vanished: an overwrite committed since the read
+        for attempt in range(2):
+            metadata = metadata_cache.load(self.path, kwargs.get("rank"), self.allow_unsafe_metadata)
+            # Every data file the metadata names must stay inside the checkpoint (stock code reads
+            # the items fastdcp hands back to it, so this is checked up front, not only in _open).
+            check_data_paths(self.path, metadata.storage_data)
+            if self._pin(metadata) or attempt == 1:
+                break  # pinned; or missing twice: a damaged checkpoint, reported when read
             logger.info("a data file of %s vanished right after its .metadata was read (a concurrent save "
                         "committed): reading .metadata again", self.path)
-            metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata)
-            check_data_paths(self.path, metadata.storage_data)
-            self._pin(metadata)  # still missing: a damaged checkpoint, reported when read
         self._metadata_read = metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
