@@ -17,7 +17,7 @@ ALLOWED = {
     "io": {"format"},
     "save": {"format", "io"},
     "load": {"format", "io"},
-    "planners": {"io"},
+    "planners": {"format", "io"},
     "cli": {"format", "io", "load"},
 }
 TOP_LEVEL = {"fastdcp", "fastdcp.__main__", "fastdcp._C"}

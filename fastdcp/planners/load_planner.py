@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.planner import (
 
 from ..io.gc import gc_paused
 from .items import _local_read_items, _metadata_key
-from .plan_cache import _local_load_plans, _PackedItems
+from . import plan_cache
+from .plan_cache import _PackedItems
 from .structure import (
     _MISSING,
     _PLAIN_TENSOR_TYPES,
@@ -96,7 +97,7 @@ class FastLoadPlanner(DefaultLoadPlanner):
             if metadata_key is not None:
                 key = (self._structure_key, metadata_key)
         if key is not None:
-            items = _local_load_plans.get(key)
+            items = plan_cache.current_process_state().local_load_plans.get(key)
             if items is not None:
                 self.local_plan_hits += 1
                 return LoadPlan(items)
@@ -107,7 +108,7 @@ class FastLoadPlanner(DefaultLoadPlanner):
         with gc_paused():
             items = _PackedItems(_local_read_items(self.state_dict, self.metadata, not self.allow_partial_load))
         if key is not None:
-            _local_load_plans.put(key, items)
+            plan_cache.current_process_state().local_load_plans.put(key, items)
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

@@ -5,9 +5,11 @@ of save and load plans (per process; they hold no tensors).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -18,36 +20,48 @@ from ..io.gc import gc_paused
 # optimizer as two checkpoints needs two; the bound keeps plans of long-gone structures from piling up.
 _CACHE_ENTRIES = 8
 
-_unpacked_lock = threading.Lock()
+class _BlobMemory:
+    """blob -> the items it holds: the lists this process sent or received, so that an unchanged
+    plan is unpickled once per structure, not once per save. A coordinator receives one blob per
+    rank, so the bound is in bytes (a 5,000-item plan pickles to ~0.5 MB), not in entries."""
 
-# blob -> the items it holds: the lists this process sent or received, so that an unchanged plan
-# is unpickled once per structure, not once per save. A coordinator receives one blob per rank,
-# so the bound is in bytes (a 5,000-item plan pickles to ~0.5 MB), not in entries.
-_unpacked: OrderedDict[bytes, tuple[Any, ...]] = OrderedDict()
+    max_bytes = 256 << 20
 
-_UNPACKED_MAX_BYTES = 256 << 20
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blobs: OrderedDict[bytes, tuple[Any, ...]] = OrderedDict()
+        self._bytes = 0
 
-_unpacked_bytes = 0
+    def get(self, blob: bytes) -> tuple[Any, ...] | None:
+        with self._lock:
+            items = self._blobs.get(blob)
+            if items is not None:
+                self._blobs.move_to_end(blob)
+            return items
+
+    def remember(self, blob: bytes, items: tuple[Any, ...]) -> None:
+        with self._lock:
+            if blob not in self._blobs:
+                self._bytes += len(blob)
+            self._blobs[blob] = items
+            self._blobs.move_to_end(blob)
+            while self._bytes > self.max_bytes and len(self._blobs) > 1:
+                dropped, _ = self._blobs.popitem(last=False)
+                self._bytes -= len(dropped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blobs.clear()
+            self._bytes = 0
 
 
 def _remember_blob(blob: bytes, items: tuple[Any, ...]) -> None:
-    global _unpacked_bytes
-    with _unpacked_lock:
-        if blob not in _unpacked:
-            _unpacked_bytes += len(blob)
-        _unpacked[blob] = items
-        _unpacked.move_to_end(blob)
-        while _unpacked_bytes > _UNPACKED_MAX_BYTES and len(_unpacked) > 1:
-            dropped, _ = _unpacked.popitem(last=False)
-            _unpacked_bytes -= len(dropped)
+    _process.unpacked.remember(blob, items)
 
 
 def _unpack_items(blob: bytes) -> _PackedItems:
     """Unpickling side of :class:`_PackedItems`: the items of ``blob``, unpickled at most once."""
-    with _unpacked_lock:
-        items = _unpacked.get(blob)
-        if items is not None:
-            _unpacked.move_to_end(blob)
+    items = _process.unpacked.get(blob)
     if items is None:
         with gc_paused():
             items = tuple(pickle.loads(blob))
@@ -136,18 +150,42 @@ class _LruCache:
             self._entries.clear()
 
 
-_local_save_plans = _LruCache(_CACHE_ENTRIES)  # rank side: structure key -> _CachedLocalSavePlan
+class PlanProcessState:
+    """Everything the planners remember within one process: the plan caches and the unpickled
+    blobs. One instance is current (:data:`_process`); :func:`simulated_process` makes another
+    current for a while, so a benchmark can play many ranks in one process, each with the memory
+    a real rank process would have."""
 
-_global_save_plans = _LruCache(_CACHE_ENTRIES)  # coordinator: id -> _CachedGlobalSavePlan
+    def __init__(self) -> None:
+        self.local_save_plans = _LruCache(_CACHE_ENTRIES)  # rank side: structure key -> _CachedLocalSavePlan
+        self.global_save_plans = _LruCache(_CACHE_ENTRIES)  # coordinator: id -> _CachedGlobalSavePlan
+        self.local_load_plans = _LruCache(_CACHE_ENTRIES)  # structure + metadata key -> _PackedItems
+        self.unpacked = _BlobMemory()
 
-_local_load_plans = _LruCache(_CACHE_ENTRIES)  # structure + metadata key -> _PackedItems
+    def clear(self) -> None:
+        for cache in (self.local_save_plans, self.global_save_plans, self.local_load_plans, self.unpacked):
+            cache.clear()
+
+
+_process = PlanProcessState()
+
+
+def current_process_state() -> PlanProcessState:
+    return _process
+
+
+@contextlib.contextmanager
+def simulated_process(state: PlanProcessState) -> Iterator[PlanProcessState]:
+    """Make ``state`` this process's planner memory inside the block (benchmarks that simulate
+    many ranks in one process; not thread-safe against planners running concurrently)."""
+    global _process
+    previous, _process = _process, state
+    try:
+        yield state
+    finally:
+        _process = previous
 
 
 def clear_plan_caches() -> None:
     """Forget every cached save and load plan of this process (the next calls replan)."""
-    global _unpacked_bytes
-    for cache in (_local_save_plans, _global_save_plans, _local_load_plans):
-        cache.clear()
-    with _unpacked_lock:
-        _unpacked.clear()
-        _unpacked_bytes = 0
+    _process.clear()

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.planner import (
 
 from ..io.gc import gc_paused
 from .items import _dedup_plans, _fresh_metadata, _global_plans_and_metadata, _local_write_items, _validate
-from .plan_cache import _global_save_plans, _local_save_plans, _PackedItems
+from . import plan_cache
+from .plan_cache import _PackedItems
 from .structure import (
     _MISSING,
     _PLAIN_TENSOR_TYPES,
@@ -125,7 +126,8 @@ class FastSavePlanner(DefaultSavePlanner):
         self.state_dict = flat.state_dict
         key = flat.key if self.cache_plans else None
         self._structure_key = None if key is None else (self._setting(), key)
-        cached = _local_save_plans.get(self._structure_key) if self._structure_key is not None else None
+        local_plans = plan_cache.current_process_state().local_save_plans
+        cached = local_plans.get(self._structure_key) if self._structure_key is not None else None
         self._cached_local = cached
         if cached is not None:
             self.mappings = cached.mappings
@@ -145,7 +147,8 @@ class FastSavePlanner(DefaultSavePlanner):
         with gc_paused():
             items = _PackedItems(_local_write_items(self.state_dict))
         if self._structure_key is not None:
-            _local_save_plans.put(self._structure_key, _CachedLocalSavePlan(items, self.mappings))
+            local_plans = plan_cache.current_process_state().local_save_plans
+            local_plans.put(self._structure_key, _CachedLocalSavePlan(items, self.mappings))
         self.plan = SavePlan(items, planner_data=planner_data)
         return self.plan
 
@@ -153,18 +156,18 @@ class FastSavePlanner(DefaultSavePlanner):
         setting = (type(self), self.flatten_state_dict, self.dedup_save_to_lowest_rank)
         entry = None
         if self.cache_plans:
-            for candidate in _global_save_plans.values():
+            for candidate in plan_cache.current_process_state().global_save_plans.values():
                 if candidate.matches(setting, all_plans):
                     entry = candidate
                     break
         if entry is not None:
             self.global_plan_hits += 1
-            _global_save_plans.put(id(entry), entry)  # most recently used
+            plan_cache.current_process_state().global_save_plans.put(id(entry), entry)  # most recently used
         else:
             self.global_plan_misses += 1
             entry = self._plan_globally(setting, all_plans)
             if self.cache_plans:
-                _global_save_plans.put(id(entry), entry)
+                plan_cache.current_process_state().global_save_plans.put(id(entry), entry)
         # storage_data is this save's (the writer's prefixes are chosen after this, every save).
         self.global_plan = [
             dataclasses.replace(plan, items=items)
