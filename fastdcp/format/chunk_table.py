@@ -40,7 +40,7 @@ __all__ = ["ChunkTable", "StorageColumns", "table_from_metadata", "table_to_meta
 NO_CHECKSUM = -1  # value of StorageColumns.checksums for an item without a recorded CRC-32C
 
 
-@dataclass
+@dataclass(eq=False)  # tensors: compare columns with torch.equal
 class StorageColumns:
     """Where each row's bytes are: ``_StorageInfo(files[file_index[r]], byte_offset[r],
     byte_length[r])``, with the CRC-32C attribute when ``checksums[r] != NO_CHECKSUM``."""
@@ -52,7 +52,7 @@ class StorageColumns:
     checksums: torch.Tensor  # int64 [rows]
 
 
-@dataclass
+@dataclass(eq=False)  # tensors: compare columns with torch.equal
 class ChunkTable:
     """Every chunk of a checkpoint, as columns (see the module docstring for the layout).
 

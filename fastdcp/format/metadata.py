@@ -50,6 +50,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "parse_metadata",
+    "unpickle_restricted",
     "add_safe_metadata_globals",
     "entry_name",
     "shown",
@@ -669,19 +670,7 @@ def parse_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> _m
     if not data:
         raise CheckpointFormatError(f"{where}: the file is empty (a save that never finished?)")
     if not allow_unsafe:
-        try:
-            md = _unpickle_restricted(bytes(data))
-        except _Reject as e:
-            raise CheckpointFormatError(f"{where}: {e}") from None
-        except RecursionError:
-            raise CheckpointFormatError(f"{where}: the pickle nests too deeply") from None
-        except MemoryError:
-            raise CheckpointFormatError(f"{where}: the pickle needs more memory than its size justifies") from None
-        except Exception as e:  # UnpicklingError, EOFError, TypeError, ValueError, ... from hostile bytes
-            raise CheckpointFormatError(
-                f"{where}: not a readable DCP metadata pickle (truncated or damaged: "
-                f"{type(e).__name__}: {str(e)[:SHOW_CHARS]})"
-            ) from None
+        md = unpickle_restricted(data, where)
     else:
         try:
             md = pickle.loads(data)
@@ -698,6 +687,27 @@ def parse_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> _m
     except Exception as e:  # e.g. a hostile __eq__/__hash__ in the unsafe mode
         raise CheckpointFormatError(f"{where}: invalid metadata ({type(e).__name__}: {str(e)[:SHOW_CHARS]})") from None
     return md
+
+
+def unpickle_restricted(data: bytes, where: str) -> Any:
+    """Unpickle untrusted bytes with the allow-list of :func:`parse_metadata` (stock's metadata
+    classes, ``torch.Size``, dtypes, layouts, paths, plain containers, and the globals allowed with
+    :func:`add_safe_metadata_globals`), after the same opcode scan; no structural validation.
+    Raises :class:`CheckpointFormatError` naming ``where`` for anything else (never another
+    exception type, whatever the bytes)."""
+    try:
+        return _unpickle_restricted(bytes(data))
+    except _Reject as e:
+        raise CheckpointFormatError(f"{where}: {e}") from None
+    except RecursionError:
+        raise CheckpointFormatError(f"{where}: the pickle nests too deeply") from None
+    except MemoryError:
+        raise CheckpointFormatError(f"{where}: the pickle needs more memory than its size justifies") from None
+    except Exception as e:  # UnpicklingError, EOFError, TypeError, ValueError, ... from hostile bytes
+        raise CheckpointFormatError(
+            f"{where}: not a readable DCP metadata pickle (truncated or damaged: "
+            f"{type(e).__name__}: {str(e)[:SHOW_CHARS]})"
+        ) from None
 
 
 def entry_name(key: Any) -> str:

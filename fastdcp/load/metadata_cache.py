@@ -1,18 +1,47 @@
-"""The parsed ``.metadata`` files this process read last, reused while each file is unchanged."""
+"""The parsed ``.metadata`` files this process read last, reused while each file is unchanged;
+and reading a checkpoint's metadata from its chunk index when the ``.metadata`` names one.
+
+A ``.metadata`` that fastdcp's writer emitted names a chunk index file beside it in its first
+bytes (:func:`fastdcp.format.chunk_index.find_chunk_index_name`). :func:`load_table_metadata`
+reads that index instead of unpickling ``.metadata`` (at thousands of ranks, seconds and a few
+hundred MB instead of minutes and gigabytes) and returns a
+:class:`~fastdcp.format.table_metadata.TableMetadata`. It falls back to parsing ``.metadata``
+(returns None) for stock-written metadata and, with a warning on the ``fastdcp`` logger, for an
+index that is damaged, names a path outside the checkpoint, or was not written for this
+``.metadata`` (its recorded size and head/tail CRC-32C differ).
+"""
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import stat
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..io.checkpoint_files import load_metadata, metadata_path
+from ..format.chunk_index import EDGE_BYTES, crc32c, find_chunk_index_name, read_chunk_index
+from ..format.metadata import CheckpointFormatError
+from ..format.table_metadata import TableMetadata
+from ..io.checkpoint_files import check_relative_path, load_metadata, metadata_path
 from ..io.gc import gc_paused
 
-__all__ = ["MetadataCache", "metadata_cache", "clear_metadata_cache"]
+__all__ = ["MetadataCache", "metadata_cache", "clear_metadata_cache", "load_table_metadata"]
+
+logger = logging.getLogger("fastdcp")
+
+_HEAD_BYTES = 4 << 10  # where write_metadata puts the chunk index name (in its first ~100 bytes)
+# An index larger than this many times its .metadata is not one fastdcp wrote (it is ~0.35x):
+# refused before it is read, so a planted file cannot make every rank read gigabytes.
+_INDEX_SIZE_RATIO = 4
+_INDEX_SIZE_SLACK = 1 << 20
+
+# What a cached TableMetadata row costs against MetadataCache.max_items: its columns are ~60
+# bytes a chunk, stock's objects ~1 KB.
+_TABLE_ROWS_PER_ITEM = 16
 
 
 class MetadataCache:
@@ -52,15 +81,17 @@ class MetadataCache:
                     self._entries.move_to_end(key)
             if cached is not None:
                 return copy_metadata(cached)
-        with gc_paused():  # tens of thousands of small objects; see fastdcp.io.gc
-            metadata = load_metadata(path, rank=rank, allow_unsafe=allow_unsafe)
+        metadata: Metadata | None = load_table_metadata(path, rank, allow_unsafe)
+        if metadata is None:
+            with gc_paused():  # tens of thousands of small objects; see fastdcp.io.gc
+                metadata = load_metadata(path, rank=rank, allow_unsafe=allow_unsafe)
         if key is not None and self._identity(path, rank) == before:
             with self._lock:
                 self._entries[key] = copy_metadata(metadata)
-                held = sum(len(m.state_dict_metadata) + len(m.storage_data or ()) for m in self._entries.values())
+                held = sum(_held_items(m) for m in self._entries.values())
                 while len(self._entries) > self.capacity or (held > self.max_items and len(self._entries) > 1):
                     _, dropped = self._entries.popitem(last=False)
-                    held -= len(dropped.state_dict_metadata) + len(dropped.storage_data or ())
+                    held -= _held_items(dropped)
         return metadata
 
     def clear(self) -> None:
@@ -68,12 +99,23 @@ class MetadataCache:
             self._entries.clear()
 
 
+def _held_items(metadata: Metadata) -> int:
+    """What ``metadata`` counts against ``MetadataCache.max_items`` (without building anything)."""
+    if isinstance(metadata, TableMetadata):
+        return len(metadata.chunk_table.fqns) + metadata.chunk_table.rows // _TABLE_ROWS_PER_ITEM
+    return len(metadata.state_dict_metadata) + len(metadata.storage_data or ())
+
+
 def copy_metadata(metadata: Metadata) -> Metadata:
-    """A ``Metadata`` sharing the entries of ``metadata`` but with its own top-level containers."""
-    new = copy.copy(metadata)
-    new.state_dict_metadata = dict(metadata.state_dict_metadata)
-    if isinstance(metadata.storage_data, dict):
-        new.storage_data = dict(metadata.storage_data)
+    """A ``Metadata`` sharing the entries of ``metadata`` but with its own top-level containers
+    (a TableMetadata shares its table; nothing of it is built)."""
+    if isinstance(metadata, TableMetadata):
+        new = metadata.copy_containers()
+    else:
+        new = copy.copy(metadata)
+        new.state_dict_metadata = dict(metadata.state_dict_metadata)
+        if isinstance(metadata.storage_data, dict):
+            new.storage_data = dict(metadata.storage_data)
     if isinstance(metadata.planner_data, dict):
         new.planner_data = dict(metadata.planner_data)
     if getattr(metadata, "storage_meta", None) is not None:
@@ -89,3 +131,82 @@ metadata_cache = MetadataCache()
 def clear_metadata_cache() -> None:
     """Forget the parsed ``.metadata`` files this process remembers."""
     metadata_cache.clear()
+
+
+def _open_regular(path: str) -> Any | None:
+    """``path`` opened for reading if it is a regular file (a FIFO never blocks the open), else
+    None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
+                        allow_unsafe: bool = False) -> TableMetadata | None:
+    """The checkpoint's metadata from the chunk index its ``.metadata`` names, or None when the
+    caller should parse ``.metadata`` instead (see the module docstring for when, and what is
+    logged). ``path`` and ``rank`` are as :func:`fastdcp.io.checkpoint_files.load_metadata`'s;
+    ``allow_unsafe`` unpickles the index's small objects with plain pickle, as ``.metadata``
+    would be. Nothing is raised for a missing or damaged index: the fallback reports problems of
+    ``.metadata`` itself."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        directory, file = path, metadata_path(path, rank)
+    elif rank is None and os.path.isfile(path):
+        directory, file = os.path.dirname(path) or ".", path
+    else:
+        return None
+    f = _open_regular(file)
+    if f is None:
+        return None
+    with f:
+        head = f.read(_HEAD_BYTES)
+        name = find_chunk_index_name(head)
+        if name is None:
+            return None  # stock-written (or damaged: the parse reports it)
+        size = os.fstat(f.fileno()).st_size
+        f.seek(0)
+        head_crc = crc32c(f.read(min(size, EDGE_BYTES)))
+        f.seek(max(0, size - EDGE_BYTES))
+        tail_crc = crc32c(f.read(min(size, EDGE_BYTES)))
+    try:
+        index_path = check_relative_path(directory, name)
+    except CheckpointFormatError as e:
+        logger.warning("ignoring the chunk index named by '%s': %s; reading the metadata itself", file, e)
+        return None
+    where = f"checkpoint chunk index '{index_path}'"
+    g = _open_regular(index_path)
+    if g is None:
+        logger.debug("'%s' names chunk index '%s', which is missing or not a regular file: reading the "
+                     "metadata itself", file, index_path)
+        return None
+    try:
+        with g:
+            index_size = os.fstat(g.fileno()).st_size
+            if index_size > _INDEX_SIZE_RATIO * size + _INDEX_SIZE_SLACK:
+                raise CheckpointFormatError(f"{where}: {index_size} bytes is implausibly large for a "
+                                            f"{size}-byte .metadata")
+            with gc_paused():
+                index = read_chunk_index(g, where, allow_unsafe=allow_unsafe)
+    except CheckpointFormatError as e:
+        logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
+        return None
+    except OSError as e:
+        logger.warning("could not read %s (%s), reading the metadata itself", where, e)
+        return None
+    if (index.metadata_size, index.metadata_head_crc, index.metadata_tail_crc) != (size, head_crc, tail_crc):
+        logger.warning(
+            "ignoring %s: it was written for another .metadata (size %d, CRC-32C %#010x/%#010x; '%s' has %d bytes, "
+            "%#010x/%#010x); reading the metadata itself", where, index.metadata_size, index.metadata_head_crc,
+            index.metadata_tail_crc, file, size, head_crc, tail_crc)
+        return None
+    return TableMetadata(index.table, index.planner_data, index.storage_meta, index.version)

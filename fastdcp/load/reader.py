@@ -19,6 +19,12 @@ stay readable; a file that vanished between reading the metadata and opening it 
 happened in between, so the metadata is read once more. With several ranks, the coordinator checks
 that every rank read the same save (``StorageMeta.save_id``) and otherwise fails with a clear error
 instead of loading a mix.
+
+When ``.metadata`` names a chunk index (fastdcp's writer), the metadata is read from the index
+(:func:`fastdcp.load.metadata_cache.load_table_metadata`) as a
+:class:`~fastdcp.format.table_metadata.TableMetadata`, and the reader's passes over the whole
+metadata (data paths, pins, file extents, recognising blobs) work on its columns: a rank loading
+with :class:`fastdcp.FastLoadPlanner` builds objects only for the items it reads.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import os
 import resource
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
@@ -42,7 +49,14 @@ from .. import _C
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo
 from ..format.checksums import ChecksumError, checksummed_items
-from ..io.checkpoint_files import check_data_paths, check_file_extents, file_extents, resolve_data_file
+from ..format.table_metadata import TableMetadata, TableStorageData, referenced_files, table_file_extents
+from ..io.checkpoint_files import (
+    check_data_paths,
+    check_file_extents,
+    check_relative_path,
+    file_extents,
+    resolve_data_file,
+)
 from ..io.engine import IoOptions, env_flag, get_engine
 from ..io.gc import gc_paused
 from .header_pass import KnownBlobs, Window, parse_blob, read_windows, window_bytes
@@ -133,8 +147,10 @@ class FastFileSystemReader(FileSystemReader):
         self.allow_unsafe_metadata = bool(allow_unsafe_metadata)
         env_verify = env_flag("FASTDCP_VERIFY_CHECKSUMS")
         self.verify_checksums = bool(verify_checksums if verify_checksums is not None else (env_verify or False))
-        self._extents: tuple[Any, dict] | None = None  # (storage_data, file_extents(storage_data))
-        self._state_dict_metadata: dict[str, Any] | None = None  # of the load set up last
+        self._extents: tuple[Any, Mapping] | None = None  # (storage_data, file_extents(storage_data))
+        # The load set up last's state_dict_metadata (for a TableMetadata, its entry views: a
+        # lookup builds one entry, and its chunks one at a time).
+        self._state_dict_metadata: Mapping[str, Any] | None = None
         # Data files opened right after reading .metadata (see the module docstring), by
         # relative path; consumed by read_data, closed when the load ends.
         self._pinned: dict[str, tuple[_C.File, bool]] = {}  # relative path -> (file, opened O_DIRECT)
@@ -167,7 +183,10 @@ class FastFileSystemReader(FileSystemReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         # What each stored tensor should be (dtype, chunk sizes): lets KnownBlobs recognise
         # blobs fastdcp's writer produced without parsing them.
-        self._state_dict_metadata = metadata.state_dict_metadata
+        if isinstance(metadata, TableMetadata):
+            self._state_dict_metadata = metadata.entry_views()
+        else:
+            self._state_dict_metadata = metadata.state_dict_metadata
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
@@ -207,7 +226,11 @@ class FastFileSystemReader(FileSystemReader):
             metadata = metadata_cache.load(self.path, kwargs.get("rank"), self.allow_unsafe_metadata)
             # Every data file the metadata names must stay inside the checkpoint (stock code reads
             # the items fastdcp hands back to it, so this is checked up front, not only in _open).
-            check_data_paths(self.path, metadata.storage_data)
+            if isinstance(metadata, TableMetadata) and metadata.table_answers_storage():
+                for rel in metadata.chunk_table.storage.files:  # type: ignore[union-attr]
+                    check_relative_path(self.path, rel)
+            else:
+                check_data_paths(self.path, metadata.storage_data)
             if self._pin(metadata) or attempt == 1:
                 break  # pinned; or missing twice: a damaged checkpoint, reported when read
             logger.info("a data file of %s vanished right after its .metadata was read (a concurrent save "
@@ -222,7 +245,10 @@ class FastFileSystemReader(FileSystemReader):
         """Open every data file ``metadata`` names (when they are few enough), replacing earlier
         pins. False when one of them does not exist (no pins are kept then)."""
         self._unpin()
-        names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        if isinstance(metadata, TableMetadata) and metadata.table_answers_storage():
+            names = set(referenced_files(metadata.chunk_table))
+        else:
+            names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
         if not names or len(names) > pin_limit():
             return True
         direct = self.io_options.direct_for(str(self.path))
@@ -256,7 +282,7 @@ class FastFileSystemReader(FileSystemReader):
             file = _C.File(path, "r", self._direct)
         try:
             if self._extents is None or self._extents[0] is not self.storage_data:
-                self._extents = (self.storage_data, file_extents(self.storage_data))
+                self._extents = (self.storage_data, _file_extents(self.storage_data))
             check_file_extents(self._extents[1], relative_path, path, file.size())
         except BaseException:
             file.close()
@@ -329,3 +355,11 @@ class FastFileSystemReader(FileSystemReader):
         planner.load_bytes(item, io.BytesIO(data))
 
 
+
+
+def _file_extents(storage_data: Any) -> Mapping[str, tuple[int, Any]]:
+    """:func:`fastdcp.io.checkpoint_files.file_extents`, from the columns when ``storage_data`` is
+    still a chunk table's view (iterating it would build every item)."""
+    if isinstance(storage_data, TableStorageData) and not storage_data.materialised:
+        return table_file_extents(storage_data.chunk_table)
+    return file_extents(storage_data)

@@ -42,7 +42,7 @@ checkpoint they write loads bit-exactly with stock ``DefaultLoadPlanner``), but:
 content of the checkpoint's ``state_dict_metadata``: loading the same checkpoint again, or another
 checkpoint of the same model, reuses the plan; a checkpoint with other shapes or chunks replans.
 
-Caches are per process, bounded (:data:`fastdcp.planners.plan_cache._CACHE_ENTRIES` structures
+Caches are per process, bounded (:data:`fastdcp.planners.process_state._CACHE_ENTRIES` structures
 each), hold no tensors, and can be dropped with :func:`clear_plan_caches`. Plans handed out share their (frozen) items with the
 cache; like DCP's own code, callers must not mutate a plan's item list or metadata entries in place.
 """

@@ -5,63 +5,29 @@ of save and load plans (per process; they hold no tensors).
 
 from __future__ import annotations
 
-import contextlib
 import pickle
-import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 
 
 from ..io.gc import gc_paused
+from .plan_columns import RankColumns, _columnar_items, encode_columns, new_token
+from .process_state import (  # noqa: F401 - re-exported: the planners' memory lives there
+    _CACHE_ENTRIES,
+    PlanProcessState,
+    current_process_state,
+    simulated_process,
+)
 
-
-# How many state-dict structures each cache remembers (LRU). A training job saving a model and an
-# optimizer as two checkpoints needs two; the bound keeps plans of long-gone structures from piling up.
-_CACHE_ENTRIES = 8
-
-class _BlobMemory:
-    """blob -> the items it holds: the lists this process sent or received, so that an unchanged
-    plan is unpickled once per structure, not once per save. A coordinator receives one blob per
-    rank, so the bound is in bytes (a 5,000-item plan pickles to ~0.5 MB), not in entries."""
-
-    max_bytes = 256 << 20
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._blobs: OrderedDict[bytes, tuple[Any, ...]] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, blob: bytes) -> tuple[Any, ...] | None:
-        with self._lock:
-            items = self._blobs.get(blob)
-            if items is not None:
-                self._blobs.move_to_end(blob)
-            return items
-
-    def remember(self, blob: bytes, items: tuple[Any, ...]) -> None:
-        with self._lock:
-            if blob not in self._blobs:
-                self._bytes += len(blob)
-            self._blobs[blob] = items
-            self._blobs.move_to_end(blob)
-            while self._bytes > self.max_bytes and len(self._blobs) > 1:
-                dropped, _ = self._blobs.popitem(last=False)
-                self._bytes -= len(dropped)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._blobs.clear()
-            self._bytes = 0
 
 
 def _remember_blob(blob: bytes, items: tuple[Any, ...]) -> None:
-    _process.unpacked.remember(blob, items)
+    current_process_state().unpacked.remember(blob, items)
 
 
 def _unpack_items(blob: bytes) -> _PackedItems:
     """Unpickling side of :class:`_PackedItems`: the items of ``blob``, unpickled at most once."""
-    items = _process.unpacked.get(blob)
+    items = current_process_state().unpacked.get(blob)
     if items is None:
         with gc_paused():
             items = tuple(pickle.loads(blob))
@@ -74,6 +40,7 @@ def _invalidating(name: str):
 
     def mutate(self: _PackedItems, *args: Any, **kwargs: Any) -> Any:
         self._blob = None
+        self._columns = None
         return method(self, *args, **kwargs)
 
     mutate.__name__ = name
@@ -89,13 +56,34 @@ class _PackedItems(list):
     the receiving process keeps what it unpickled by blob (:func:`_unpack_items`). Any in-place
     change to the list drops the blob."""
 
-    __slots__ = ("_blob",)
+    __slots__ = ("_blob", "_columns")
 
     def __init__(self, items: Any = (), blob: bytes | None = None) -> None:
         super().__init__(items)
         self._blob = blob
+        self._columns: Any = None  # (RankColumns, ItemStructure), False: not expressible as columns
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+    def columns(self) -> Any:
+        """This save plan's items as (RankColumns, ItemStructure), computed once and registered
+        in this process under the columns' token (so the global plan can be applied to it); None
+        when the items do not fit columns (read items, unusual write items)."""
+        if self._columns is None:
+            encoded = encode_columns(self)
+            if encoded is None:
+                self._columns = False
+            else:
+                structure, blob, numbers = encoded
+                token = new_token()
+                self._columns = (RankColumns(token, blob, numbers), structure)
+                current_process_state().sent_plans.put(token, self)
+        return self._columns or None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        columns = self.columns()
+        if columns is not None:
+            rank_columns = columns[0]
+            current_process_state().sent_plans.put(rank_columns.token, self)  # most recently used
+            return (_columnar_items, (rank_columns.token, rank_columns.structure_blob, rank_columns.numbers))
         blob = self._blob
         if blob is None:
             items = tuple(self)
@@ -119,73 +107,35 @@ for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "r
 del _name
 
 
-class _LruCache:
-    """A small thread-safe LRU map (plans of the last few structures)."""
+class _PackedMapping(dict):
+    """A plan's ``planner_data`` (the flatten mapping: fqn -> object path) that pickles as one blob,
+    computed once. Every rank of an FSDP job sends the same mapping; the coordinator keeps what a
+    blob unpickled to, so N identical mappings cost one decode and one object. Read-only by
+    convention, like the item lists (the unpickled object is shared)."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[Any, Any] = OrderedDict()
-        self._lock = threading.Lock()
+    __slots__ = ("_blob",)
 
-    def get(self, key: Any) -> Any:
-        with self._lock:
-            value = self._entries.get(key)
-            if value is not None:
-                self._entries.move_to_end(key)
-            return value
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._blob: bytes | None = None
 
-    def put(self, key: Any, value: Any) -> None:
-        with self._lock:
-            self._entries[key] = value
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-
-    def values(self) -> list[Any]:
-        with self._lock:
-            return list(reversed(self._entries.values()))  # most recent first
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        if self._blob is None:
+            self._blob = pickle.dumps(dict(self), protocol=pickle.HIGHEST_PROTOCOL)
+            current_process_state().unpacked.remember(self._blob, self)
+        return (_unpack_mapping, (self._blob,))
 
 
-class PlanProcessState:
-    """Everything the planners remember within one process: the plan caches and the unpickled
-    blobs. One instance is current (:data:`_process`); :func:`simulated_process` makes another
-    current for a while, so a benchmark can play many ranks in one process, each with the memory
-    a real rank process would have."""
-
-    def __init__(self) -> None:
-        self.local_save_plans = _LruCache(_CACHE_ENTRIES)  # rank side: structure key -> _CachedLocalSavePlan
-        self.global_save_plans = _LruCache(_CACHE_ENTRIES)  # coordinator: id -> _CachedGlobalSavePlan
-        self.local_load_plans = _LruCache(_CACHE_ENTRIES)  # structure + metadata key -> _PackedItems
-        self.unpacked = _BlobMemory()
-
-    def clear(self) -> None:
-        for cache in (self.local_save_plans, self.global_save_plans, self.local_load_plans, self.unpacked):
-            cache.clear()
-
-
-_process = PlanProcessState()
-
-
-def current_process_state() -> PlanProcessState:
-    return _process
-
-
-@contextlib.contextmanager
-def simulated_process(state: PlanProcessState) -> Iterator[PlanProcessState]:
-    """Make ``state`` this process's planner memory inside the block (benchmarks that simulate
-    many ranks in one process; not thread-safe against planners running concurrently)."""
-    global _process
-    previous, _process = _process, state
-    try:
-        yield state
-    finally:
-        _process = previous
+def _unpack_mapping(blob: bytes) -> _PackedMapping:
+    mapping = current_process_state().unpacked.get(blob)
+    if type(mapping) is not _PackedMapping:
+        with gc_paused():
+            mapping = _PackedMapping(pickle.loads(blob))
+        mapping._blob = blob
+        current_process_state().unpacked.remember(blob, mapping)
+    return mapping
 
 
 def clear_plan_caches() -> None:
     """Forget every cached save and load plan of this process (the next calls replan)."""
-    _process.clear()
+    current_process_state().clear()

@@ -23,7 +23,11 @@ from torch.distributed.checkpoint.planner import (
 from ..io.gc import gc_paused
 from .items import _dedup_plans, _fresh_metadata, _global_plans_and_metadata, _local_write_items, _validate
 from . import plan_cache
-from .plan_cache import _PackedItems
+from ..format.table_metadata import TableMetadata
+from .chunk_validation import validate_chunk_table
+from .global_save_plan import BulkGlobalPlan, plan_globally_in_bulk
+from .plan_cache import _PackedItems, _PackedMapping
+from .plan_columns import ColumnarItems, GlobalItems, ItemStructure, RankColumns
 from .structure import (
     _MISSING,
     _PLAIN_TENSOR_TYPES,
@@ -51,8 +55,11 @@ class _CachedGlobalSavePlan:
     global_items: list[_PackedItems]  # per rank, deduplicated, index hints set
     metadata: Metadata
 
-    def matches(self, setting: tuple[Any, ...], plans: list[SavePlan]) -> bool:
-        if setting != self.setting or len(plans) != len(self.local_items):
+    def fresh_metadata(self) -> Metadata:
+        return _fresh_metadata(self.metadata)
+
+    def matches(self, setting: tuple[Any, ...], plans: list[SavePlan], columns: Any) -> bool:
+        if columns is not None or setting != self.setting or len(plans) != len(self.local_items):
             return False
         for plan, items, planner_data in zip(plans, self.local_items, self.local_planner_data):
             if not getattr(plan, "usable", True) or type(plan.items) is not _PackedItems \
@@ -61,6 +68,59 @@ class _CachedGlobalSavePlan:
             if plan.planner_data is not planner_data and plan.planner_data != planner_data:
                 return False
         return True
+
+
+@dataclass(frozen=True)
+class _CachedBulkSavePlan:
+    """What the coordinator planned in bulk for one set of local plans (sent as columns)."""
+
+    setting: tuple[Any, ...]
+    local_columns: list[RankColumns]  # per rank, as received
+    local_planner_data: list[Any]
+    global_items: list[GlobalItems]
+    bulk: BulkGlobalPlan
+    planner_data: Any
+
+    def fresh_metadata(self) -> Metadata:
+        planner_data = self.planner_data
+        return TableMetadata(
+            self.bulk.table, planner_data=dict(planner_data) if isinstance(planner_data, dict) else planner_data
+        )
+
+    def matches(self, setting: tuple[Any, ...], plans: list[SavePlan], columns: Any) -> bool:
+        if columns is None or setting != self.setting or len(columns) != len(self.local_columns):
+            return False
+        for plan, (now, _), then, planner_data in zip(plans, columns, self.local_columns, self.local_planner_data):
+            if now.numbers != then.numbers or (
+                now.structure_blob is not then.structure_blob and now.structure_blob != then.structure_blob
+            ):
+                return False
+            if plan.planner_data is not planner_data and plan.planner_data != planner_data:
+                return False
+        return True
+
+
+def _columns_of(plans: list[SavePlan]) -> list[tuple[RankColumns, ItemStructure]] | None:
+    """Every plan's items as columns, or None when some plan's items are not columns (then the
+    global plan is built item by item)."""
+    out = []
+    for plan in plans:
+        items = plan.items
+        if isinstance(items, ColumnarItems):
+            out.append((items.columns, items.structure))
+        elif type(items) is _PackedItems and (columns := items.columns()) is not None:
+            out.append(columns)
+        else:
+            return None
+    return out
+
+
+def _merged_planner_data(plans: list[SavePlan]) -> dict[str, Any]:
+    """Stock's ``dict(ChainMap(*maps))`` of the ranks' flatten mappings, each distinct mapping
+    object counted once (the coordinator receives the same unpickled object from every rank that
+    sent the same mapping)."""
+    maps = list({id(plan.planner_data): plan.planner_data for plan in plans}.values())
+    return dict(maps[0]) if len(maps) == 1 else dict(ChainMap(*maps))
 
 
 class FastSavePlanner(DefaultSavePlanner):
@@ -132,7 +192,7 @@ class FastSavePlanner(DefaultSavePlanner):
         if cached is not None:
             self.mappings = cached.mappings
         elif self.flatten_state_dict:
-            self.mappings = flat.mappings()
+            self.mappings = _PackedMapping(flat.mappings())
         else:
             self.mappings = {}
 
@@ -154,27 +214,54 @@ class FastSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         setting = (type(self), self.flatten_state_dict, self.dedup_save_to_lowest_rank)
+        if not all(getattr(plan, "usable", True) for plan in all_plans):  # older torch: no field
+            raise ValueError("FastSavePlanner received an unusable (delta) plan; it only plans full local plans")
+        columns = _columns_of(all_plans)
+        cache = plan_cache.current_process_state().global_save_plans
         entry = None
         if self.cache_plans:
-            for candidate in plan_cache.current_process_state().global_save_plans.values():
-                if candidate.matches(setting, all_plans):
+            for candidate in cache.values():
+                if candidate.matches(setting, all_plans, columns):
                     entry = candidate
                     break
         if entry is not None:
             self.global_plan_hits += 1
-            plan_cache.current_process_state().global_save_plans.put(id(entry), entry)  # most recently used
+            cache.put(id(entry), entry)  # most recently used
         else:
             self.global_plan_misses += 1
-            entry = self._plan_globally(setting, all_plans)
+            if columns is not None:
+                entry = self._plan_in_bulk(setting, all_plans, columns)
+            else:
+                entry = self._plan_globally(setting, all_plans)
             if self.cache_plans:
-                plan_cache.current_process_state().global_save_plans.put(id(entry), entry)
+                cache.put(id(entry), entry)
         # storage_data is this save's (the writer's prefixes are chosen after this, every save).
         self.global_plan = [
             dataclasses.replace(plan, items=items)
             for plan, items in zip(all_plans, entry.global_items)
         ]
-        self.metadata = _fresh_metadata(entry.metadata)
+        self.metadata = entry.fresh_metadata()
         return self.global_plan, self.metadata
+
+    def _plan_in_bulk(self, setting: tuple[Any, ...], all_plans: list[SavePlan],
+                      columns: list[tuple[RankColumns, ItemStructure]]) -> _CachedBulkSavePlan:
+        with gc_paused():
+            bulk = plan_globally_in_bulk(columns, self.dedup_save_to_lowest_rank)
+            errors = validate_chunk_table(bulk.table, several_ranks=len(all_plans) > 1)
+            if errors:
+                summary = "; ".join(errors)
+                if len(summary) > 500:
+                    summary = summary[:500] + "... (truncated)"
+                raise ValueError(f"Failed to validate global plan: {summary}")
+            planner_data = _merged_planner_data(all_plans) if self.flatten_state_dict else None
+        return _CachedBulkSavePlan(
+            setting=setting,
+            local_columns=[c for c, _ in columns],
+            local_planner_data=[plan.planner_data for plan in all_plans],
+            global_items=bulk.global_items,
+            bulk=bulk,
+            planner_data=planner_data,
+        )
 
     def _plan_globally(self, setting: tuple[Any, ...], all_plans: list[SavePlan]) -> _CachedGlobalSavePlan:
         if not all(getattr(plan, "usable", True) for plan in all_plans):  # older torch: no field
@@ -187,10 +274,7 @@ class FastSavePlanner(DefaultSavePlanner):
                 else _PackedItems(items)
                 for plan, items in zip(all_plans, new_items)
             ]
-            planner_data = None
-            if self.flatten_state_dict:
-                maps = [plan.planner_data for plan in all_plans]
-                planner_data = dict(maps[0]) if len(maps) == 1 else dict(ChainMap(*maps))
+            planner_data = _merged_planner_data(all_plans) if self.flatten_state_dict else None
             metadata = Metadata(state_dict_metadata, planner_data=planner_data)
             _validate([dataclasses.replace(p, items=i) for p, i in zip(all_plans, global_items)], state_dict_metadata)
         return _CachedGlobalSavePlan(
@@ -202,6 +286,8 @@ class FastSavePlanner(DefaultSavePlanner):
         )
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if isinstance(new_plan.items, GlobalItems):  # not pickled on the way (no_dist, one rank)
+            new_plan = dataclasses.replace(new_plan, items=new_plan.items.resolve())
         self.plan = new_plan
         return new_plan
 

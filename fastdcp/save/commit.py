@@ -33,8 +33,11 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..format.chunk_index import write_chunk_index
 from ..format.metadata import METADATA_NAME, RANK_METADATA_RE
+from ..format.metadata_emit import CHUNK_INDEX_ATTRIBUTE, write_metadata
 from ..io.checkpoint_files import load_metadata
+from ..io.engine import IoOptions, get_engine
 from ..io.gc import gc_paused
 from . import inflight
 from .crash_points import crash_point
@@ -63,6 +66,11 @@ _DATA_FILE_RE = re.compile(rf"^__(\d+)_(?:([0-9a-f]{{{_TOKEN_HEX}}})_)?\d+{re.es
 
 # Metadata temp files: stock's (.metadata.tmp, __{rank}.metadata.tmp) and ours (.{token}.tmp).
 _METADATA_TMP_RE = re.compile(rf"^(?:__(\d+))?\.metadata(?:\.([0-9a-f]{{{_TOKEN_HEX}}}))?\.tmp$")
+
+# The chunk index written beside a metadata file planned in bulk: .metadata.{token}.index.
+_CHUNK_INDEX_RE = re.compile(rf"^(?:__(\d+))?\.metadata\.([0-9a-f]{{{_TOKEN_HEX}}})\.index$")
+
+_HEAD_TAIL_BYTES = 64 << 10  # what a chunk index records of its metadata file (CRC-32C of each end)
 
 
 def claim_token(directory: str) -> str:
@@ -101,7 +109,9 @@ def _referenced_files(path: str) -> set[str] | None:
     """The data files a metadata file references, or None when it cannot be read safely."""
     try:
         metadata = load_metadata(path)  # the reader's restricted unpickler: builds nothing else
-        return {info.relative_path for info in metadata.storage_data.values()}
+        files = {info.relative_path for info in metadata.storage_data.values()}
+        index = getattr(metadata, CHUNK_INDEX_ATTRIBUTE, None)
+        return files | {index} if isinstance(index, str) else files
     except Exception:  # noqa: BLE001 - unreadable for any reason: the caller stays conservative
         return None
 
@@ -161,7 +171,8 @@ def _interfered(directory: str, what: str) -> ConcurrentSaveError:
 
 
 def commit_metadata(
-    directory: str, metadata_name: str, token: str, metadata: Metadata, new_files: set[str], sync: bool
+    directory: str, metadata_name: str, token: str, metadata: Metadata, new_files: set[str], sync: bool,
+    io_options: IoOptions | None = None,
 ) -> CommittedMetadata:
     """Make ``metadata`` the checkpoint's ``metadata_name`` atomically (coordinator only, after
     every rank's data files are durable; ``sync``: fsync as the protocol says). ``token``: this
@@ -182,12 +193,18 @@ def commit_metadata(
     try:
         if sync:
             _fsync_directory(directory)  # the data files' entries, before anything names them
-        with open(tmp_path, "wb") as f, gc_paused():
-            pickle.dump(metadata, f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-            st = os.fstat(f.fileno())
+        table = getattr(metadata, "chunk_table", None)
+        if table is not None and table.storage is not None:
+            index_name = f"{metadata_name}.{token}.index"
+            new_files = new_files | {index_name}
+            st = _write_table_metadata(directory, tmp_path, index_name, metadata, sync, io_options)
+        else:
+            with open(tmp_path, "wb") as f, gc_paused():
+                pickle.dump(metadata, f)
+                f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+                st = os.fstat(f.fileno())
         if not inflight.touch(directory, token):
             raise _interfered(directory, f"the marker of this save ({inflight.marker_name(token)}) was removed")
         present = set(os.listdir(directory))
@@ -205,7 +222,7 @@ def commit_metadata(
         if not committed:
             _remove_quietly(tmp_path)
             for name in new_files:
-                if f"_{token}_" in name and _DATA_FILE_RE.match(name):
+                if (f"_{token}_" in name and _DATA_FILE_RE.match(name)) or _CHUNK_INDEX_RE.match(name):
                     _remove_quietly(os.path.join(directory, name))
             for owned in tokens:
                 inflight.release(directory, owned)
@@ -218,11 +235,41 @@ def commit_metadata(
     return CommittedMetadata(metadata_name, (st.st_dev, st.st_ino), frozenset(new_files))
 
 
+def _write_table_metadata(directory: str, tmp_path: str, index_name: str, metadata: Metadata, sync: bool,
+                          io_options: IoOptions | None) -> os.stat_result:
+    """Write a metadata planned in bulk (its ``chunk_table`` has storage columns): the stock-format
+    pickle streamed from the columns to ``tmp_path``, then the chunk index ``index_name`` that
+    records the metadata file's size and the CRC-32C of its two ends (so a reader can tell that
+    the index belongs to the ``.metadata`` it found). Returns the metadata file's stat."""
+    table = metadata.chunk_table
+    facts = dict(planner_data=metadata.planner_data, storage_meta=metadata.storage_meta, version=metadata.version)
+    with open(tmp_path, "w+b") as f:
+        write_metadata(f, table, chunk_index_name=index_name, **facts)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+        st = os.fstat(f.fileno())
+        head = os.pread(f.fileno(), min(_HEAD_TAIL_BYTES, st.st_size), 0)
+        tail_start = max(0, st.st_size - _HEAD_TAIL_BYTES)
+        tail = os.pread(f.fileno(), st.st_size - tail_start, tail_start)
+    if io_options is None:
+        io_options = IoOptions.resolve(direct_io=None, default_direct_io=False, io_threads=None, task_bytes=None)
+    head_crc, tail_crc = get_engine(io_options).crc32c([(head, None), (tail, None)])
+    with open(os.path.join(directory, index_name), "wb") as f:
+        write_chunk_index(
+            f, table, metadata_size=st.st_size, metadata_head_crc=head_crc, metadata_tail_crc=tail_crc, **facts
+        )
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+    return st
+
+
 def _tokens_of(names: set[str] | frozenset[str]) -> set[str]:
     """The save tokens carried by fastdcp data file names."""
     tokens = set()
     for name in names:
-        match = _DATA_FILE_RE.match(name)
+        match = _DATA_FILE_RE.match(name) or _CHUNK_INDEX_RE.match(name)
         if match and match.group(2):
             tokens.add(match.group(2))
     return tokens
@@ -260,9 +307,7 @@ def remove_unreferenced(directory: str, committed: CommittedMetadata, rank: int 
     candidates: list[tuple[str, str | None]] = []  # (name, token)
     dead_markers: list[str] = []
     for name in sorted(names):
-        data = _DATA_FILE_RE.match(name)
-        tmp = None if data else _METADATA_TMP_RE.match(name)
-        match = data or tmp
+        match = _DATA_FILE_RE.match(name) or _METADATA_TMP_RE.match(name) or _CHUNK_INDEX_RE.match(name)
         if match is not None:
             if rank_local and match.group(1) != str(rank):
                 continue

@@ -40,6 +40,7 @@ from torch.futures import Future
 from .. import _C
 from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
+from ..format.table_metadata import TableStorageData
 from ..io.engine import DIRECT_ALIGN, IoOptions, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
 from .async_staging import StagingFuture, StagingReport
@@ -50,6 +51,7 @@ from .device_ring import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
 from .file_split import split_into_files
 from .guard import guarded_storage_keys
+from .results import pack_write_results, result_columns, storage_columns
 from .staging import StateDictStager
 
 try:  # torch >= 2.7
@@ -355,7 +357,7 @@ class FastFileSystemWriter(FileSystemWriter):
             record_checksums(get_engine(self.io_options), files)
         self._write_files(files)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result([r for f in files for r in f.results])
+        fut.set_result(pack_write_results(plan, [r for f in files for r in f.results]))
         return fut
 
     def _append_tensor_item(self, file_plan: FilePlan, item: WriteItem, storage_key: str, planner: SavePlanner) -> None:
@@ -443,19 +445,29 @@ class FastFileSystemWriter(FileSystemWriter):
         version = getattr(_stock_fs, "CURRENT_DCP_VERSION", None)
         if version is not None:
             metadata.version = version
-        storage_md = {}
-        for wr_list in results:
-            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
-        metadata.storage_data = storage_md
+        table = getattr(metadata, "chunk_table", None)
+        columns = [result_columns(wr_list) for wr_list in results]
+        if table is not None and columns and all(c is not None for c in columns):
+            # Planned in bulk: the results are columns naming table rows (fastdcp.save.results).
+            storage = storage_columns(table.rows, columns)
+            metadata.chunk_table = dataclasses.replace(table, storage=storage)
+            metadata.storage_data = TableStorageData(metadata.chunk_table)
+            new_files = set(storage.files)
+        else:
+            storage_md = {}
+            for wr_list in results:
+                storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+            metadata.storage_data = storage_md
+            new_files = {info.relative_path for info in storage_md.values()}
         metadata.storage_meta = self.storage_meta()
 
         directory = str(self.path)
         rank_local = self._rank_local()
         metadata_name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
         token = self._save_token or self._claim_token()
-        new_files = {info.relative_path for info in storage_md.values()}
         try:
-            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files)
+            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files,
+                                        self.io_options)
         finally:
             self._claimed_tokens = set()  # released by commit_metadata, committed or not
         crash_point("cleanup")

@@ -1,0 +1,262 @@
+"""The coordinator's global save plan built in bulk from every rank's plan columns.
+
+Stock ``create_default_global_save_plan`` walks every item of every rank in Python: dedup by
+``MetadataIndex``, one ``ChunkStorageMetadata`` appended per chunk, a chunk index hint rewritten
+per item; then ``_validate_global_plan`` sweeps each tensor's chunks (O(N^2) for a tensor split on
+its smaller dimension). Here the same decisions are tensor operations over all rows at once (a row
+is one item of one rank, in rank order then plan order):
+
+1. replicated items (the same key ``(fqn, offsets)`` on several ranks) are found by sorting one
+   int64 key per row; each goes, largest first, to the rank with the fewest bytes so far (or to
+   the lowest rank with ``dedup_save_to_lowest_rank``) — exactly ``items._dedup_plans``;
+2. the kept rows, stably sorted by the first appearance of their key, become the
+   :class:`~fastdcp.format.chunk_table.ChunkTable` of the checkpoint (entry order and chunk order
+   as stock's dict insertion gives them); a row's position within its entry is its index hint;
+3. :func:`~fastdcp.planners.chunk_validation.validate_chunk_table` checks bounds, overlaps and
+   coverage in O(R log R);
+4. each rank's global plan is its local plan's keep mask and hints (:class:`GlobalItems`).
+
+Python work is per rank and per distinct plan structure, never per row.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from ..format.chunk_table import ChunkTable
+from .plan_columns import NO_HINT, GlobalItems, ItemStructure, RankColumns, tensor_bytes
+
+__all__ = ["BulkGlobalPlan", "plan_globally_in_bulk"]
+
+
+@dataclass
+class BulkGlobalPlan:
+    """What the coordinator planned: the checkpoint's chunks (no storage yet), each rank's
+    global plan items, and where each rank's kept items landed in the table
+    (``table_rows[kept_start[r] + p]`` is the row of rank r's p-th global plan item)."""
+
+    table: ChunkTable
+    global_items: list[GlobalItems]
+    table_rows: torch.Tensor  # int64 [kept rows], rank order then global plan order
+    kept_start: torch.Tensor  # int64 [ranks + 1]
+
+
+@dataclass
+class _StructureFacts:
+    """Per distinct structure: its tensors for the row arrays."""
+
+    structure: ItemStructure
+    fqn_ids: torch.Tensor  # int64 [items], global fqn ids
+    is_shard: torch.Tensor  # bool [items]
+    is_bytes: torch.Tensor  # bool [items]
+    item_bytes: torch.Tensor  # int64 [items]: stock dedup's size (tensor_storage_size or 1)
+
+
+def _structure_facts(structure: ItemStructure, fqn_ids: dict[str, int]) -> _StructureFacts:
+    ids, shard, is_bytes, sizes = [], [], [], []
+    for fqn, kind, props, size, ndim in zip(structure.fqns, structure.types, structure.properties,
+                                            structure.sizes, structure.ndims):
+        ids.append(fqn_ids.setdefault(fqn, len(fqn_ids)))
+        shard.append(kind == WriteItemType.SHARD)
+        is_bytes.append(ndim < 0)
+        if ndim < 0:
+            sizes.append(1)
+        else:
+            numel = 1
+            for d in size:
+                numel *= d
+            sizes.append(numel * torch._utils._element_size(props.dtype) or 1)
+    return _StructureFacts(
+        structure,
+        torch.tensor(ids, dtype=torch.int64),
+        torch.tensor(shard, dtype=torch.bool),
+        torch.tensor(is_bytes, dtype=torch.bool),
+        torch.tensor(sizes, dtype=torch.int64),
+    )
+
+
+def plan_globally_in_bulk(plans: list[tuple[RankColumns, ItemStructure]], to_lowest_rank: bool) -> BulkGlobalPlan:
+    """Stock's deduplicated global plans and chunk metadata for ``plans`` (one per rank, in rank
+    order). Raises ``AssertionError`` where stock's ``create_default_global_save_plan`` does (a
+    non-shard key planned twice after dedup); validation is the caller's."""
+    ranks = len(plans)
+    fqn_ids: dict[str, int] = {}
+    facts: dict[int, _StructureFacts] = {}
+    groups: dict[int, list[int]] = defaultdict(list)  # structure id -> ranks
+    counts = []
+    for rank, (_, structure) in enumerate(plans):
+        key = id(structure)
+        if key not in facts:
+            facts[key] = _structure_facts(structure, fqn_ids)
+        groups[key].append(rank)
+        counts.append(len(structure.fqns))
+    width = max([1] + [f.structure.width for f in facts.values()])
+    row_start = torch.zeros(ranks + 1, dtype=torch.int64)
+    row_start[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
+    rows = int(row_start[-1])
+
+    fqn_of_row = torch.empty(rows, dtype=torch.int64)
+    rank_of_row = torch.repeat_interleave(torch.arange(ranks, dtype=torch.int64), torch.tensor(counts))
+    shard_row = torch.empty(rows, dtype=torch.bool)
+    bytes_row = torch.empty(rows, dtype=torch.bool)
+    size_row = torch.empty(rows, dtype=torch.int64)
+    hint_row = torch.empty(rows, dtype=torch.int64)
+    offsets = torch.zeros((rows, width), dtype=torch.int64)
+    lengths = torch.zeros((rows, width), dtype=torch.int64)
+    for key, group in groups.items():
+        f = facts[key]
+        items = len(f.structure.fqns)
+        if not items:
+            continue
+        numbers = b"".join(plans[r][0].numbers for r in group)
+        padded = torch.zeros((len(group), f.structure.number_count + 1), dtype=torch.int64)
+        if f.structure.number_count:
+            padded[:, :-1] = torch.frombuffer(bytearray(numbers), dtype=torch.int64).view(len(group), -1)
+        hint_index, offset_index, length_index = f.structure.gather_indices()
+        g_width = offset_index.shape[1]
+        where = (row_start[torch.tensor(group)].unsqueeze(1) + torch.arange(items)).reshape(-1)
+        fqn_of_row[where] = f.fqn_ids.repeat(len(group))
+        shard_row[where] = f.is_shard.repeat(len(group))
+        bytes_row[where] = f.is_bytes.repeat(len(group))
+        size_row[where] = f.item_bytes.repeat(len(group))
+        hints = padded[:, hint_index]
+        hints[:, f.is_bytes] = NO_HINT
+        hint_row[where] = hints.reshape(-1)
+        offsets[where, :g_width] = padded[:, offset_index].reshape(-1, g_width)
+        lengths[where, :g_width] = padded[:, length_index].reshape(-1, g_width)
+
+    keep = _dedup(fqn_of_row, offsets, rank_of_row, size_row, ranks, to_lowest_rank)
+    kept = keep.nonzero().squeeze(1) if keep is not None else torch.arange(rows)
+    kept_fqn = fqn_of_row[kept]
+
+    # Entries in order of first appearance; rows grouped by entry, stable (rank, plan order).
+    first = torch.full((len(fqn_ids),), rows, dtype=torch.int64)
+    first.scatter_reduce_(0, kept_fqn, kept, reduce="amin")
+    # A key seen again after dedup must come as a shard of the same tensor (stock asserts it).
+    if bool(((first[kept_fqn] != kept) & ~shard_row[kept]).any()):
+        raise AssertionError("item.index.fqn not in md")
+    present = (first < rows).nonzero().squeeze(1)
+    entry_order = present[torch.argsort(first[present], stable=True)]
+    entry_of_fqn = torch.full((len(fqn_ids),), -1, dtype=torch.int64)
+    entry_of_fqn[entry_order] = torch.arange(len(entry_order))
+    kept_entry = entry_of_fqn[kept_fqn]
+    order = torch.argsort(kept_entry, stable=True)  # table row t holds kept row order[t]
+    table_rows = torch.empty_like(order)
+    table_rows[order] = torch.arange(len(order))
+    entry_counts = torch.bincount(kept_entry, minlength=len(entry_order))
+    entry_start = torch.zeros(len(entry_order) + 1, dtype=torch.int64)
+    entry_start[1:] = torch.cumsum(entry_counts, 0)
+    new_hints = table_rows - entry_start[kept_entry]
+    new_hints[bytes_row[kept]] = NO_HINT
+
+    table = _table(plans, facts, fqn_ids, entry_order.tolist(), entry_start, kept, order, offsets, lengths,
+                   rank_of_row, row_start)
+
+    kept_start = torch.zeros(ranks + 1, dtype=torch.int64)
+    kept_start[1:] = torch.cumsum(torch.bincount(rank_of_row[kept], minlength=ranks), 0)
+    global_items = []
+    bounds = kept_start.tolist()
+    starts = row_start.tolist()
+    keep_bytes = None if keep is None else keep.to(torch.uint8)
+    for rank, (columns, _) in enumerate(plans):
+        mask = None
+        if keep_bytes is not None:
+            local = keep_bytes[starts[rank]: starts[rank + 1]]
+            if bounds[rank + 1] - bounds[rank] != starts[rank + 1] - starts[rank]:
+                mask = tensor_bytes(local)
+        span = slice(bounds[rank], bounds[rank + 1])
+        global_items.append(GlobalItems(columns.token, mask, tensor_bytes(new_hints[span]), tensor_bytes(table_rows[span])))
+    return BulkGlobalPlan(table, global_items, table_rows, kept_start)
+
+
+def _dedup(fqn_of_row: torch.Tensor, offsets: torch.Tensor, rank_of_row: torch.Tensor, size_row: torch.Tensor,
+           ranks: int, to_lowest_rank: bool) -> torch.Tensor | None:
+    """Which rows stay (None: all): ``items._dedup_plans`` over rows."""
+    if ranks == 1:
+        return None
+    key = _row_keys(fqn_of_row, offsets)
+    unique, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    shared_row = counts[inverse] > 1
+    if not bool(shared_row.any()):
+        return None
+    load = torch.zeros(ranks, dtype=torch.int64)
+    load.index_add_(0, rank_of_row[~shared_row], size_row[~shared_row])
+    shared = shared_row.nonzero().squeeze(1)
+    # Group the shared rows by key, rows of a key in row (= rank) order.
+    group_order = torch.argsort(inverse[shared], stable=True)
+    shared = shared[group_order]
+    group_of = inverse[shared]
+    boundaries = torch.ones(len(shared), dtype=torch.bool)
+    boundaries[1:] = group_of[1:] != group_of[:-1]
+    group_first = boundaries.nonzero().squeeze(1)
+    group_end = torch.cat([group_first[1:], torch.tensor([len(shared)])])
+    first_row = shared[group_first]  # first-seen row of each shared key
+    size = size_row[first_row]
+    # Largest first, then first seen.
+    by_priority = torch.argsort(first_row, stable=True)
+    by_priority = by_priority[torch.argsort(-size[by_priority], stable=True)]
+    keep = torch.ones(len(fqn_of_row), dtype=torch.bool)
+    keep[shared] = False
+    shared_ranks = rank_of_row[shared]
+    starts, ends, sizes = group_first.tolist(), group_end.tolist(), size.tolist()
+    for g in by_priority.tolist():
+        candidates = shared_ranks[starts[g]: ends[g]]
+        if to_lowest_rank:
+            owner = int(candidates[0])
+        else:
+            owner = int(candidates[torch.argmin(load[candidates])])  # first minimum: lowest rank
+        load[owner] += sizes[g]
+        rows_of_group = shared[starts[g]: ends[g]]
+        keep[rows_of_group[candidates == owner]] = True
+    return keep
+
+
+def _row_keys(fqn_of_row: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One int64 per row, equal exactly when (fqn, offsets) are (mixed radix over the observed
+    ranges; falls back to ranks of unique rows when that would not fit 63 bits)."""
+    key = fqn_of_row.clone()
+    bound = int(fqn_of_row.max()) + 1 if len(fqn_of_row) else 1
+    fits = True
+    for d in range(offsets.shape[1]):
+        column = offsets[:, d]
+        low, high = (int(column.min()), int(column.max())) if len(column) else (0, 0)
+        radix = high - low + 1
+        if bound * radix >= 1 << 62:
+            fits = False
+            break
+        key = key * radix + (column - low)
+        bound *= radix
+    if fits:
+        return key
+    _, inverse = torch.unique(torch.cat([fqn_of_row.unsqueeze(1), offsets], 1), dim=0, return_inverse=True)
+    return inverse
+
+
+def _table(plans, facts, fqn_ids, entry_fqns, entry_start, kept, order, offsets, lengths, rank_of_row,
+           row_start) -> ChunkTable:
+    """The ChunkTable of the kept rows: each entry's properties and size from its first row."""
+    names = [None] * len(fqn_ids)
+    for fqn, i in fqn_ids.items():
+        names[i] = fqn
+    table_kept = kept[order]
+    first_rows = table_kept[entry_start[:-1]].tolist() if len(entry_fqns) else []
+    first_ranks = rank_of_row[table_kept[entry_start[:-1]]].tolist() if len(entry_fqns) else []
+    starts = row_start.tolist()
+    properties, sizes = [], []
+    for row, rank in zip(first_rows, first_ranks):
+        structure = plans[rank][1]
+        i = row - starts[rank]
+        properties.append(structure.properties[i])
+        sizes.append(structure.sizes[i])
+    return ChunkTable(
+        fqns=[names[i] for i in entry_fqns],
+        properties=properties,
+        sizes=sizes,
+        row_start=entry_start,
+        offsets=offsets[table_kept],
+        lengths=lengths[table_kept],
+    )

@@ -1,0 +1,334 @@
+"""Save plans as columns: what crosses DCP's plan collectives at thousands of ranks.
+
+A rank's local save plan is ~1,190 ``WriteItem`` objects for a 7B model with AdamW; pickled one by
+one, 4,096 of them take the coordinator minutes to unpickle. Split into two parts, they don't:
+
+- the **structure** (per item: key, type, tensor properties, global size) is the same on every
+  rank of an FSDP/DTensor job, so it travels as one pickled blob that the coordinator decodes once
+  per distinct blob (:class:`ItemStructure`);
+- the **numbers** (per item: the chunk's offsets and sizes and the index hint) are one int64
+  buffer per rank, which the coordinator's bulk planner reads as a tensor.
+
+On the way back, a rank's global plan is its own local plan with some replicated items dropped
+and index hints set: the coordinator sends only that difference (:class:`GlobalItems`: a keep
+mask and the hints), and the rank applies it to the local plan it kept (registered in its
+:class:`~fastdcp.planners.plan_cache.PlanProcessState` under a random token that travels with the
+local plan).
+
+Plans whose items do not fit these columns (an index offset other than the chunk's offsets,
+write items of unknown kinds) travel as one pickled list, as before (``_PackedItems``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import pickle
+import secrets
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..io.gc import gc_paused
+from .process_state import current_process_state
+
+__all__ = ["ItemStructure", "RankColumns", "ColumnarItems", "GlobalItems", "PlannedItems", "encode_columns"]
+
+NO_HINT = -1  # the numbers' value for MetadataIndex.index None
+
+
+@dataclass(frozen=True)
+class ItemStructure:
+    """The per-item facts of a plan that do not depend on the rank's position in a sharding.
+
+    ``ndims[i]`` is ``-1`` for a ``BYTE_IO`` item (no numbers). For a tensor item the numbers
+    hold ``[hint, offsets..., sizes...]`` (``1 + 2 * ndim`` values) at ``starts[i]``."""
+
+    fqns: tuple[str, ...]
+    types: tuple[WriteItemType, ...]
+    bytes_io: tuple[Any, ...]
+    properties: tuple[Any, ...]
+    sizes: tuple[Any, ...]
+    ndims: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        starts, position = [], 0
+        for ndim in self.ndims:
+            starts.append(position)
+            position += 0 if ndim < 0 else 1 + 2 * ndim
+        object.__setattr__(self, "starts", tuple(starts))
+        object.__setattr__(self, "number_count", position)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Only the fields: the derived starts (and cached gather indices) are rebuilt on arrival.
+        return (ItemStructure, (self.fqns, self.types, self.bytes_io, self.properties, self.sizes, self.ndims))
+
+    @property
+    def width(self) -> int:
+        return max([1, *self.ndims])
+
+    def gather_indices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Indices into a rank's numbers (with one zero appended at ``number_count``) that give
+        the hints [items], offsets [items, width] and sizes [items, width] (zero past ndim and for
+        bytes items; bytes items' hint reads the zero too)."""
+        cached = getattr(self, "_gather", None)
+        if cached is not None:
+            return cached
+        width, pad = self.width, self.number_count
+        hint = torch.full((len(self.ndims),), pad, dtype=torch.int64)
+        offsets = torch.full((len(self.ndims), width), pad, dtype=torch.int64)
+        sizes = torch.full((len(self.ndims), width), pad, dtype=torch.int64)
+        for i, (ndim, start) in enumerate(zip(self.ndims, self.starts)):
+            if ndim < 0:
+                continue
+            hint[i] = start
+            if ndim:
+                offsets[i, :ndim] = torch.arange(start + 1, start + 1 + ndim)
+                sizes[i, :ndim] = torch.arange(start + 1 + ndim, start + 1 + 2 * ndim)
+        cached = (hint, offsets, sizes)
+        object.__setattr__(self, "_gather", cached)
+        return cached
+
+    def item(self, i: int, numbers: Sequence[int]) -> WriteItem:
+        """Item ``i`` rebuilt from a rank's numbers (equal to the one the rank planned)."""
+        fqn, ndim = self.fqns[i], self.ndims[i]
+        if ndim < 0:
+            return WriteItem(index=MetadataIndex(fqn), type=self.types[i], bytes_io_data=self.bytes_io[i])
+        start = self.starts[i]
+        hint = numbers[start]
+        offsets = torch.Size(numbers[start + 1 : start + 1 + ndim])
+        sizes = torch.Size(numbers[start + 1 + ndim : start + 1 + 2 * ndim])
+        return WriteItem(
+            index=MetadataIndex(fqn, offsets, None if hint == NO_HINT else hint),
+            type=self.types[i],
+            bytes_io_data=self.bytes_io[i],
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets, sizes), properties=self.properties[i], size=self.sizes[i]
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class RankColumns:
+    """One rank's local plan as columns: ``token`` names the plan in the rank's process."""
+
+    token: bytes
+    structure_blob: bytes
+    numbers: bytes  # little-endian int64, structure.number_count values
+
+    def numbers_tensor(self) -> torch.Tensor:
+        return int64_values(self.numbers)
+
+
+def encode_columns(items: Sequence[WriteItem]) -> tuple[ItemStructure, bytes, bytes] | None:
+    """``items`` as (structure, structure blob, numbers), or None when some item does not fit
+    the columns (it then travels pickled whole)."""
+    fqns, types, bytes_io, properties, sizes, ndims = [], [], [], [], [], []
+    numbers: list[int] = []
+    extend = numbers.extend
+    shared: dict[Any, Any] = {}
+    for item in items:
+        if type(item) is not WriteItem:
+            return None
+        index = item.index
+        data = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO:
+            if data is not None or index.offset is not None or index.index is not None:
+                return None
+            ndims.append(-1)
+            properties.append(None)
+            sizes.append(None)
+        else:
+            if data is None or data.chunk is None or index.offset != data.chunk.offsets:
+                return None
+            offsets, chunk_sizes = data.chunk.offsets, data.chunk.sizes
+            if len(offsets) != len(chunk_sizes) or len(offsets) != len(data.size):
+                return None
+            ndims.append(len(offsets))
+            # Equal properties and sizes as one object each, so the blob pickles each once.
+            props = data.properties
+            properties.append(shared.setdefault(
+                (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory), props))
+            sizes.append(shared.setdefault(data.size, data.size))
+            extend((NO_HINT if index.index is None else index.index, *offsets, *chunk_sizes))
+        fqns.append(index.fqn)
+        types.append(item.type)
+        bytes_io.append(item.bytes_io_data)
+    structure = ItemStructure(tuple(fqns), tuple(types), tuple(bytes_io), tuple(properties), tuple(sizes), tuple(ndims))
+    # Keys repeat their prefixes ("model.layers.17.mlp..."): compressed, the structure every
+    # rank sends is a fraction of its pickle.
+    blob = zlib.compress(pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    try:
+        packed = torch.tensor(numbers, dtype=torch.int64)
+    except (OverflowError, RuntimeError):
+        return None
+    return structure, blob, tensor_bytes(packed)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a CPU tensor's values, in order (no numpy: it is not a dependency)."""
+    tensor = tensor.contiguous()
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()) if tensor.numel() else b""
+
+
+def int64_values(data: bytes) -> torch.Tensor:
+    """The int64 tensor ``tensor_bytes`` was made from (a copy: ``data`` is immutable)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.zeros(0, dtype=torch.int64)
+
+
+class ColumnarItems(Sequence):
+    """The items of a local plan another process sent, kept as columns.
+
+    The coordinator's bulk planner reads :attr:`columns`; anything else that iterates it gets
+    ``WriteItem`` objects, built on first use. Pickles back as the same columns."""
+
+    def __init__(self, columns: RankColumns, structure: ItemStructure) -> None:
+        self.columns = columns
+        self.structure = structure
+        self._items: list[WriteItem] | None = None
+
+    def _materialised(self) -> list[WriteItem]:
+        if self._items is None:
+            numbers = self.columns.numbers_tensor().tolist()
+            with gc_paused():
+                self._items = [self.structure.item(i, numbers) for i in range(len(self.structure.fqns))]
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.structure.fqns)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._materialised()[i]
+
+    def __iter__(self) -> Iterator[WriteItem]:
+        return iter(self._materialised())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ColumnarItems):
+            return self.columns.structure_blob == other.columns.structure_blob and \
+                self.columns.numbers == other.columns.numbers
+        return list(self) == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def same_items(self, other: Any) -> bool:
+        """True when ``other`` holds the same items (compared as columns)."""
+        return isinstance(other, ColumnarItems) and (
+            other is self
+            or (other.structure is self.structure and other.columns.numbers == self.columns.numbers)
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        c = self.columns
+        return (_columnar_items, (c.token, c.structure_blob, c.numbers))
+
+    def __repr__(self) -> str:
+        return f"ColumnarItems({len(self)} items)"
+
+
+def _columnar_items(token: bytes, structure_blob: bytes, numbers: bytes) -> Any:
+    """Unpickling side of a local plan sent as columns: the rank that sent it gets its own list
+    back; any other process gets :class:`ColumnarItems` (structure decoded once per blob)."""
+    state = current_process_state()
+    own = state.sent_plans.get(token)
+    if own is not None:
+        return own
+    structure = state.unpacked.get(structure_blob)
+    if structure is None:
+        with gc_paused():
+            structure = pickle.loads(zlib.decompress(structure_blob))
+        if type(structure) is not ItemStructure:
+            raise TypeError("a save plan's structure blob did not hold an ItemStructure")
+        state.unpacked.remember(structure_blob, structure)
+    return ColumnarItems(RankColumns(token, structure_blob, numbers), structure)
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(16)
+
+
+class PlannedItems(list):
+    """A rank's global plan items (a real list), with the checkpoint table row of each item
+    (int64 bytes) that the writer's results carry to the coordinator
+    (``fastdcp.save.results.pack_write_results``)."""
+
+    __slots__ = ("table_rows",)
+
+    def __init__(self, items: list[WriteItem], table_rows: bytes) -> None:
+        super().__init__(items)
+        self.table_rows = table_rows
+
+
+class GlobalItems(Sequence):
+    """A rank's global plan as the difference from its local plan: which of its items it keeps
+    (``keep``: a byte per local item, or None for all), the index hints of the kept items (int64,
+    ``NO_HINT`` for bytes items) and the checkpoint table row of each kept item (int64; the
+    writer's results name them, so the coordinator places results without looking them up).
+    Pickles to ~16 bytes per item; the rank applies it to the local plan it registered under
+    ``token`` (:func:`apply_global_items`)."""
+
+    def __init__(self, token: bytes, keep: bytes | None, hints: bytes, rows: bytes) -> None:
+        self.token = token
+        self.keep = keep
+        self.hints = hints
+        self.rows = rows
+        self._items: list[WriteItem] | None = None
+
+    def resolve(self) -> list[WriteItem]:
+        if self._items is None:
+            self._items = apply_global_items(self.token, self.keep, self.hints, self.rows)
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.hints) // 8
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.resolve()[i]
+
+    def __iter__(self) -> Iterator[WriteItem]:
+        return iter(self.resolve())
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (apply_global_items, (self.token, self.keep, self.hints, self.rows))
+
+    def __repr__(self) -> str:
+        return f"GlobalItems({len(self)} kept items)"
+
+
+def apply_global_items(token: bytes, keep: bytes | None, hints: bytes, rows: bytes) -> Any:
+    """The rank's global plan items: its registered local plan's items, kept per ``keep``, with
+    index hints ``hints`` (items whose hint does not change are shared, not copied), carrying
+    their table ``rows`` (:class:`PlannedItems`)."""
+    state = current_process_state()
+    key = (token, keep, hints, rows)
+    cached = state.applied_plans.get(key)
+    if cached is not None:
+        return cached
+    local = state.sent_plans.get(token)
+    if local is None:
+        raise RuntimeError(
+            "FastSavePlanner: this process received a global save plan for a local plan it does not know "
+            "(every rank must plan with FastSavePlanner, and receive the global plan in the process that "
+            "made the local plan)"
+        )
+    hint_values = int64_values(hints).tolist()
+    if keep is None:
+        kept = local
+    else:
+        kept = [item for item, flag in zip(local, keep) if flag]
+    if len(kept) != len(hint_values):
+        raise RuntimeError("FastSavePlanner: a global save plan does not match this rank's local plan")
+    out = []
+    with gc_paused():
+        for item, hint in zip(kept, hint_values):
+            if hint != NO_HINT and item.index.index != hint:
+                item = dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
+            out.append(item)
+    items = PlannedItems(out, rows)
+    state.applied_plans.put(key, items)
+    return items

@@ -1,0 +1,189 @@
+"""Save plans as columns and the coordinator's bulk global plan (fastdcp.planners.plan_columns,
+global_save_plan): the same plans, hints, dedup and chunk metadata as the item-by-item path
+(which matches stock), across simulated rank processes."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from fastdcp.format.chunk_table import table_from_metadata
+from fastdcp.planners import items as PI
+from fastdcp.planners import plan_cache as PC
+from fastdcp.planners.global_save_plan import plan_globally_in_bulk
+from fastdcp.planners.plan_columns import ColumnarItems, GlobalItems, encode_columns
+
+
+def _shard(fqn: str, size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+           dtype=torch.float32, hint=None, kind=WriteItemType.SHARD) -> WriteItem:
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(offsets), hint),
+        type=kind,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(size),
+        ),
+    )
+
+
+def _row_split(n: int, ranks: int, rank: int) -> tuple[int, int]:
+    """torch.chunk-style split of n rows: (offset, length), empty trailing shards at offset n."""
+    step = -(-n // ranks)
+    start = min(n, step * rank)
+    return start, max(0, min(n, start + step) - start)
+
+
+def _fsdp_plans(ranks: int, rng: random.Random) -> list[list[WriteItem]]:
+    """Local plans as FSDP2 + AdamW give them: Shard(0) DTensors (uneven, some empty shards),
+    0-d step tensors and objects replicated on every rank, a rank-only tensor."""
+    shapes = {f"layer{i}.w": (rng.randint(1, 9), rng.randint(1, 12)) for i in range(6)}
+    shapes["norm"] = (rng.randint(1, 7),)
+    plans = []
+    for rank in range(ranks):
+        items: list[WriteItem] = []
+        for fqn, shape in shapes.items():
+            for suffix in ("", ".exp_avg"):
+                off, length = _row_split(shape[0], ranks, rank)
+                items.append(_shard(fqn + suffix, shape, (off,) + (0,) * (len(shape) - 1),
+                                    (length,) + shape[1:]))
+            items.append(_shard(fqn + ".step", (), (), (), hint=0, kind=WriteItemType.TENSOR))
+        items.append(WriteItem(index=MetadataIndex("param_groups"), type=WriteItemType.BYTE_IO))
+        if rank == ranks - 1:
+            items.append(_shard(f"only{rank}", (3, 2), (0, 0), (3, 2), dtype=torch.bfloat16, hint=0,
+                                kind=WriteItemType.TENSOR))
+        rng.shuffle(items)
+        plans.append(items)
+    return plans
+
+
+def _reference(plans: list[list[WriteItem]], to_lowest: bool):
+    deduped = PI._dedup_plans([list(p) for p in plans], to_lowest)
+    return PI._global_plans_and_metadata(deduped)
+
+
+@pytest.fixture
+def processes():
+    """One planner memory per simulated rank process, plus the coordinator's."""
+    states: dict[object, PC.PlanProcessState] = {}
+
+    def get(name: object) -> PC.PlanProcessState:
+        return states.setdefault(name, PC.PlanProcessState())
+
+    return get
+
+
+def _send(processes, plans: list[list[WriteItem]]) -> list[bytes]:
+    sent = []
+    for rank, items in enumerate(plans):
+        with PC.simulated_process(processes(rank)):
+            sent.append(pickle.dumps(SavePlan(PC._PackedItems(items))))
+    return sent
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("to_lowest", [False, True])
+def test_bulk_global_plan_equals_item_by_item(processes, seed, to_lowest):
+    rng = random.Random(seed)
+    ranks = rng.choice([1, 2, 3, 5, 8])
+    plans = _fsdp_plans(ranks, rng)
+    expected_items, expected_md = _reference(plans, to_lowest)
+
+    sent = _send(processes, plans)
+    with PC.simulated_process(processes("coordinator")):
+        received = [pickle.loads(blob) for blob in sent]
+        assert all(isinstance(p.items, ColumnarItems) for p in received)
+        assert [list(p.items) for p in received] == plans  # the columns rebuild every item
+        bulk = plan_globally_in_bulk([(p.items.columns, p.items.structure) for p in received], to_lowest)
+        scattered = [pickle.dumps(items) for items in bulk.global_items]
+
+    assert _tables_equal(table_from_metadata(Metadata(expected_md)), bulk.table)
+    for rank, blob in enumerate(scattered):
+        with PC.simulated_process(processes(rank)):
+            items = pickle.loads(blob)
+        assert list(items) == expected_items[rank]
+        # index hints too (MetadataIndex equality ignores them)
+        assert [i.index.index for i in items] == [i.index.index for i in expected_items[rank]]
+        rows = torch.frombuffer(bytearray(items.table_rows), dtype=torch.int64).tolist() if items else []
+        assert rows == bulk.table_rows[bulk.kept_start[rank]: bulk.kept_start[rank + 1]].tolist()
+        entry_of_row = bulk.table.entry_of_rows()
+        for item, row in zip(items, rows):  # each item's row holds its key
+            assert bulk.table.fqns[int(entry_of_row[row])] == item.index.fqn
+
+
+def _tables_equal(a, b) -> bool:
+    return (a.fqns == b.fqns and a.properties == b.properties and a.sizes == b.sizes
+            and torch.equal(a.row_start, b.row_start)
+            and torch.equal(a.offsets[:, : b.offsets.shape[1]], b.offsets[:, : a.offsets.shape[1]])
+            and torch.equal(a.lengths[:, : b.lengths.shape[1]], b.lengths[:, : a.lengths.shape[1]]))
+
+
+def test_a_rank_gets_back_its_own_list_and_others_get_columns(processes):
+    items = PC._PackedItems(_fsdp_plans(2, random.Random(0))[0])
+    with PC.simulated_process(processes(0)):
+        blob = pickle.dumps(items)
+        assert pickle.dumps(items) == blob  # encoded once
+        assert pickle.loads(blob) is items
+    with PC.simulated_process(processes(1)):
+        other = pickle.loads(blob)
+        assert isinstance(other, ColumnarItems) and pickle.dumps(other) == blob
+        again = pickle.loads(blob)
+        assert again.structure is other.structure  # the structure blob is decoded once
+
+
+def test_items_that_do_not_fit_columns_travel_whole(processes):
+    odd = WriteItem(  # index offset other than the chunk's offsets
+        index=MetadataIndex("x", torch.Size([1])),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([0]), torch.Size([2])), TensorProperties(),
+                                    torch.Size([4])),
+    )
+    assert encode_columns([odd]) is None
+    with PC.simulated_process(processes(0)):
+        blob = pickle.dumps(PC._PackedItems([odd]))
+    with PC.simulated_process(processes(1)):
+        back = pickle.loads(blob)
+    assert type(back) is PC._PackedItems and list(back) == [odd]
+
+
+def test_a_global_plan_for_an_unknown_local_plan_is_a_clear_error(processes):
+    plans = _fsdp_plans(2, random.Random(1))
+    sent = _send(processes, plans)
+    with PC.simulated_process(processes("coordinator")):
+        received = [pickle.loads(blob) for blob in sent]
+        bulk = plan_globally_in_bulk([(p.items.columns, p.items.structure) for p in received], False)
+        blob = pickle.dumps(bulk.global_items[0])
+    with PC.simulated_process(processes("stranger")), pytest.raises(RuntimeError, match="does not know"):
+        pickle.loads(blob)
+
+
+def test_duplicate_non_shard_key_asserts_like_stock(processes):
+    twice = [_shard("t", (2,), (0,), (2,), kind=WriteItemType.TENSOR),
+             _shard("t", (2,), (0,), (2,), kind=WriteItemType.TENSOR)]
+    with pytest.raises(AssertionError):
+        _reference([twice], False)
+    with PC.simulated_process(processes(0)):
+        columns = PC._PackedItems(twice).columns()
+        with pytest.raises(AssertionError):
+            plan_globally_in_bulk([columns], False)
+
+
+def test_global_items_pickle_small(processes):
+    plans = _fsdp_plans(4, random.Random(3))
+    sent = _send(processes, plans)
+    with PC.simulated_process(processes("coordinator")):
+        received = [pickle.loads(blob) for blob in sent]
+        bulk = plan_globally_in_bulk([(p.items.columns, p.items.structure) for p in received], False)
+        for items, plan in zip(bulk.global_items, plans):
+            assert isinstance(items, GlobalItems)
+            assert len(pickle.dumps(items)) < 60 + 17 * len(plan) + 16
