@@ -187,3 +187,30 @@ def test_global_items_pickle_small(processes):
         for items, plan in zip(bulk.global_items, plans):
             assert isinstance(items, GlobalItems)
             assert len(pickle.dumps(items)) < 60 + 17 * len(plan) + 16
+
+
+def test_chunk_index_follows_the_committed_metadata(tmp_path):
+    """A save planned in bulk commits .metadata with its chunk index; the next save's cleanup
+    removes the old index (and a dead save's), the reader uses the current one, stock ignores it."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastSavePlanner
+    from fastdcp.format.table_metadata import TableMetadata
+    from fastdcp.load.metadata_cache import clear_metadata_cache
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "o": {"lr": 0.5}}
+    (tmp_path / ".metadata.deadbeef.index").write_bytes(b"left by a save that died")
+    for step in range(2):
+        state["w"] += step
+        dcp.save(state, storage_writer=FastFileSystemWriter(tmp_path), planner=FastSavePlanner(), no_dist=True)
+        indexes = sorted(n for n in os.listdir(tmp_path) if n.endswith(".index"))
+        with open(tmp_path / ".metadata", "rb") as f:
+            stock_md = pickle.load(f)
+        assert indexes == [stock_md.fastdcp_chunk_index]
+        clear_metadata_cache()
+        assert isinstance(FastFileSystemReader(tmp_path).read_metadata(), TableMetadata)
+        dest = {"w": torch.zeros(3, 4), "o": {"lr": 0.0}}
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+        assert torch.equal(dest["w"], state["w"]) and dest["o"]["lr"] == 0.5
