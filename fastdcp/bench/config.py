@@ -13,10 +13,11 @@ from .systems import SYSTEM_NAMES, standin_requested
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "train_loop", "concurrency", "convert")
+CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "train_loop", "concurrency", "convert",
+                 "plan_scale")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async")
 ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS
-QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer")
+QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "plan_scale")
 ASYNC_SCENARIOS = ("async", "async_new_writer", "gpu_async")
 ASYNC_MODES = ("thread", "process")
 
@@ -71,6 +72,8 @@ class BenchConfig:
     train_step_ms: float = 100.0            # train_loop: the batch is calibrated to this step time
     train_batch: int | None = None          # train_loop: fixed batch instead of calibrating
     train_wheres: list[str] = field(default_factory=lambda: ["dir"])
+    plan_ranks: list[int] = field(default_factory=lambda: [256, 1024, 4096])   # plan_scale: simulated N
+    plan_budget_s: float = 600.0            # plan_scale: most seconds to build every rank's load plan
     probe_bytes: int = 1 * GiB
     probe_configs: list[tuple[int, int]] = field(
         default_factory=lambda: [(1 * MiB, 1), (1 * MiB, 4), (8 * MiB, 1), (8 * MiB, 4)])
@@ -92,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="fastdcp vs stock torch.distributed.checkpoint storage benchmarks. "
                     "Every load is verified bit-exact; a mismatch exits with status 3.")
     p.add_argument("--quick", action="store_true",
-                   help="scenarios save,load,reshard,small,async,async_new_writer (+gpu_* with CUDA) at "
-                        "256MiB, 2 repeats, reshard on /dev/shm only at 64MiB, small and async* on --dir "
-                        "only, async* in thread mode only (~2.5 min on 2 cores)")
+                   help="scenarios save,load,reshard,small,async,async_new_writer,plan_scale (+gpu_* with "
+                        "CUDA) at 256MiB, 2 repeats, reshard on /dev/shm only at 64MiB, small and async* on "
+                        "--dir only, async* in thread mode only, plan_scale at N=4,16 (~3.5 min on 2 cores)")
     p.add_argument("--size", type=parse_size, help="state dict size (default 2GiB, quick 256MiB)")
     p.add_argument("--dir", help="directory on the storage to test; a temp dir is made inside it "
                                  "and removed afterwards (default ./bench_out)")
@@ -142,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train_loop: step time the batch is calibrated to (default 100)")
     p.add_argument("--train-batch", type=int,
                    help="train_loop: this batch instead of calibrating one (min 2)")
+    p.add_argument("--plan-ranks", type=lambda text: [int(t) for t in _csv(text)],
+                   help="plan_scale: simulated rank counts N, each >= 2 (default 256,1024,4096; quick 4,16)")
+    p.add_argument("--plan-budget", type=float,
+                   help="plan_scale: seconds allowed for building every rank's local load plan with the "
+                        "planner; above it (estimated from sample ranks) the others are built by a reference "
+                        "(default 600)")
     p.add_argument("--reshard-size", type=parse_size,
                    help="state size for `reshard` (default --size; quick: --size/4 with 32 instead "
                         "of 300 norm vectors)")
@@ -176,6 +185,7 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.probe_configs = [(8 * MiB, 1), (1 * MiB, 4)]
         c.memcpy_bytes = 256 * MiB
         c.train_steps, c.train_every = 12, 3
+        c.plan_ranks = [4, 16]
         if torch.cuda.is_available():
             c.scenarios += list(GPU_SCENARIOS)
     elif torch.cuda.is_available():
@@ -189,6 +199,7 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
     if a.probe_size is not None:
         c.probe_bytes = a.probe_size
     if a.scenarios:
+        a.scenarios = [s.replace("-", "_") for s in a.scenarios]  # plan-scale = plan_scale
         bad = [s for s in a.scenarios if s not in ALL_SCENARIOS]
         if bad:
             parser.error(f"unknown scenario(s) {bad}; choose from {','.join(ALL_SCENARIOS)}")
@@ -241,6 +252,14 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if least is not None and value < least:
             parser.error(f"{flag} must be >= {least}{why}")
         setattr(c, name, value)
+    if a.plan_ranks is not None:
+        if not a.plan_ranks or min(a.plan_ranks) < 2:
+            parser.error("--plan-ranks needs rank counts >= 2")
+        c.plan_ranks = a.plan_ranks
+    if a.plan_budget is not None:
+        if a.plan_budget < 0:
+            parser.error("--plan-budget must be >= 0")
+        c.plan_budget_s = a.plan_budget
     c.dir, c.shm = a.dir, not a.no_shm
     c.json_path, c.plot_path, c.checkpoint = a.json_path, a.plot_path, a.checkpoint
     c.probe_method, c.cold_method, c.keep = a.probe_method, a.cold_method, a.keep

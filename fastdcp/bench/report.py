@@ -10,6 +10,7 @@ from typing import Any
 
 from .limits import Limits
 from .peers import PEER_SCENARIOS
+from .plan_scale_report import plan_scale_json
 from .results import SYSTEM_SPECIFIC_KEYS, Result
 
 LIMIT_POLICY = (
@@ -38,7 +39,7 @@ BASELINE_POLICY = (
 
 # Scenarios reported in a table of their own instead of the GiB/s table (their rows are times
 # and slowdowns, for which GiB/s means nothing).
-OWN_TABLE_SCENARIOS = ("train_loop", "concurrency")
+OWN_TABLE_SCENARIOS = ("train_loop", "concurrency", "plan_scale")
 
 
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -441,6 +442,7 @@ def write_json(path: str, machine: dict[str, Any], limits: Limits | None, result
         "results": [r.to_json() for r in results],
         "train_loop": [asdict(row) for row in train_loop_rows(results)],
         "concurrency": [asdict(row) for row in concurrency_rows(results)],
+        "plan_scale": plan_scale_json(results),
     }
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)

@@ -25,6 +25,8 @@ from .reshard import run_reshard
 from .results import Recorder, finalize
 from .concurrency import run_concurrency
 from .convert import run_convert
+from .plan_scale import run_plan_scale
+from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
 from .training_loop import run_train_loop
 from .state import VerificationError
@@ -35,7 +37,7 @@ SHM = "/dev/shm"
 
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.
 SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
-                    "convert": run_convert}
+                    "convert": run_convert, "plan_scale": run_plan_scale}
 
 
 def _banner(lines: list[str]) -> None:
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
         print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",
                       *peer_lines(results), "", *reader_stats_lines(results), "", *train_loop_lines(results), "",
-                      *concurrency_lines(results)])
+                      *concurrency_lines(results), "", *plan_scale_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)
             progress(f"wrote {cfg.json_path}")

@@ -7,21 +7,30 @@ that is ~4.9 million chunks, 75 s and ~4 GB on the coordinator. :func:`write_met
 pickle's opcodes itself, streaming frames of a few MB:
 
 * the per-chunk parts (a chunk of ``state_dict_metadata[fqn].chunks``, and the
-  ``MetadataIndex`` -> ``_StorageInfo`` pair of ``storage_data``) are fixed-size byte records,
-  one template per run of rows with the same shape, filled for up to ``_BLOCK_ROWS`` rows at a
-  time with tensor operations (each integer in the narrowest opcode that holds every value of
-  its column in the block: ``BININT1``/``BININT2``/``BININT``, else ``LONG1`` of 5 to 8 bytes);
-* class globals, field names, fqns and file names are memoised once and referenced with
-  ``BINGET``/``LONG_BINGET`` (the per-chunk objects themselves are not memoised, so the memo of
-  whoever unpickles it stays small);
-* small self-contained objects (``TensorProperties``, ``planner_data``, ``storage_meta``,
-  ``version``) are pickled by :class:`pickle.Pickler` and spliced in.
+  ``MetadataIndex`` -> ``_StorageInfo`` pair of ``storage_data``) are fixed-size byte records:
+  the rows are taken ``_BLOCK_ROWS`` at a time (a window), and each row shape in a window (its
+  ndim, checksum presence and which of its parts are shared objects) gets one template, filled
+  for all of its rows with tensor operations (each integer in the narrowest opcode that holds
+  every value of its column in the group: ``BININT1``/``BININT2``/``BININT``, else ``LONG1`` of
+  5 to 8 bytes);
+* equal objects are written once and referenced with ``BINGET``/``LONG_BINGET`` from then on, as
+  stock's pickler does with the objects a plan shares: class globals, field names, fqns and file
+  names; one ``TensorProperties`` per distinct (dtype, layout, requires_grad, memory_format,
+  pin_memory); one ``torch.Size`` per repeated tensor size; and, for the chunk of a single-chunk
+  entry (many small tensors), all-zero offsets (one ``torch.Size`` per ndim, also the storage
+  key's offset) and a chunk size equal to its tensor's size (the tensor's own ``torch.Size``).
+  The chunks of entries with more chunks are not memoised (the memo of whoever unpickles the file
+  stays small, and their records stay one template per window);
+* ``planner_data``, ``storage_meta`` and ``version`` are pickled by a :class:`pickle.Pickler` that
+  shares the file's memo (so they reference the fqn strings and ``TensorProperties`` parts already
+  written) and spliced in.
 
 The result unpickles (stock ``pickle.load``, or :func:`fastdcp.format.metadata.parse_metadata`)
 to a ``Metadata`` equal to ``table_to_metadata(table, planner_data, storage_meta, version)``,
-attribute for attribute, plus one attribute when a chunk index is named:
-``fastdcp_chunk_index`` (:data:`CHUNK_INDEX_ATTRIBUTE`), the first key of the Metadata's state, so
-that it lies in the file's first few hundred bytes (:func:`fastdcp.format.chunk_index.find_chunk_index_name`).
+attribute for attribute (equal objects may be one shared object, as in stock's own pickles of a
+plan), plus one attribute when a chunk index is named: ``fastdcp_chunk_index``
+(:data:`CHUNK_INDEX_ATTRIBUTE`), the first key of the Metadata's state, so that it lies in the
+file's first few hundred bytes (:func:`fastdcp.format.chunk_index.find_chunk_index_name`).
 Stock ignores the extra attribute (``Metadata.__eq__`` compares the dataclass fields only).
 """
 
@@ -32,6 +41,8 @@ import io
 import pickle
 import struct
 import sys
+from bisect import bisect_right
+from collections import Counter
 from typing import Any, BinaryIO
 
 import torch
@@ -45,7 +56,13 @@ __all__ = ["CHUNK_INDEX_ATTRIBUTE", "write_metadata"]
 CHUNK_INDEX_ATTRIBUTE = "fastdcp_chunk_index"
 
 _PROTOCOL = 4
-_BLOCK_ROWS = 1 << 16  # rows filled per tensor pass: ~2-6 MB of records
+_BLOCK_ROWS = 1 << 16  # rows filled per tensor pass (a window): ~2-6 MB of records
+# Entries with at most this many chunks share zero offsets and whole-tensor chunk sizes: single-
+# chunk entries (many small tensors). Larger values work too (tests use them), but a shared first
+# chunk then splits each entry's records in two runs: measured with 5,000 entries of 2..16 chunks,
+# +110-125% write time for 1-5% smaller files.
+_FEW_ROWS = 1
+_EARLY_FILES = 32  # at most this many file names are memoised before the fqns
 _FRAME_BYTES = 4 << 20  # a frame is written once this much is pending
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -167,7 +184,12 @@ class _Stream:
 
     Every piece added is made of whole opcodes, so no opcode straddles a frame boundary (the
     pure-Python unpickler requires that). Large pieces are memoryviews of record tensors and are
-    written without copying; ``owners`` keeps those tensors alive until their frame is written."""
+    written without copying; ``owners`` keeps those tensors alive until their frame is written.
+
+    The memo: ``memo_objects[i]`` stands for what the unpickler's memo will hold at index ``i``:
+    the very object when it is one of the caller's ``str`` (an fqn, a file name), else None (a
+    placeholder). :meth:`pickled` hands these to its pickler, so it numbers its own MEMOIZEs
+    right and references those strings instead of writing them again."""
 
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
@@ -176,7 +198,16 @@ class _Stream:
         self.small = bytearray()
         self.pending = 0
         self.written = 0
-        self.memo_size = 0  # entries the unpickler's memo will hold (MEMOIZE opcodes so far)
+        self.memo_objects: list[Any] = []  # per memo index: a caller's str, or None (a placeholder)
+        self._memo_ids: set[int] = set()  # ids of the strs in memo_objects (each once)
+        self._pickler: pickle.Pickler | None = None  # see pickled()
+        self._pickler_out = io.BytesIO()
+        self._pickler_memo_size = 0
+
+    @property
+    def memo_size(self) -> int:
+        """Entries the unpickler's memo will hold (MEMOIZE opcodes so far)."""
+        return len(self.memo_objects)
 
     def raw(self, data: bytes) -> None:
         """Bytes outside any frame (only the PROTO opcode)."""
@@ -201,11 +232,17 @@ class _Stream:
         if self.pending >= _FRAME_BYTES:
             self.flush()
 
-    def memoize(self) -> tuple[bytes, int]:
-        """(the MEMOIZE opcode, the memo index it assigns)."""
-        index = self.memo_size
-        self.memo_size += 1
-        return _MEMOIZE, index
+    def memoize(self, value: Any = None) -> tuple[bytes, int]:
+        """(the MEMOIZE opcode, the memo index it assigns). ``value``: the object the memoised
+        item unpickles equal to, when it is a plain ``str`` whose identity later pickled objects
+        may share (an fqn in ``planner_data``); anything else is recorded as a placeholder (a
+        str subclass would unpickle as a plain str, and one object is registered once only)."""
+        if value is not None and (type(value) is not str or id(value) in self._memo_ids):
+            value = None
+        elif value is not None:
+            self._memo_ids.add(id(value))
+        self.memo_objects.append(value)
+        return _MEMOIZE, len(self.memo_objects) - 1
 
     def flush(self) -> None:
         if self.small:
@@ -222,18 +259,83 @@ class _Stream:
         self.pending = 0
 
     def pickled(self, obj: Any) -> bytes:
-        """``obj`` pickled in this stream's memo: a pickler whose memo already holds
-        ``memo_size`` placeholder entries numbers its own MEMOIZEs from there on (the C pickler
-        assigns index = memo size), so its BINGETs stay right and shared or cyclic references in
-        ``obj`` survive; the stream's memo grows by what it memoised."""
-        buf = io.BytesIO()
-        pickler = pickle.Pickler(buf, protocol=_PROTOCOL)
-        if self.memo_size:
-            pickler.memo = {i: (i, object()) for i in range(self.memo_size)}
-        pickler.dump(obj)
-        body = _strip_pickle(buf.getvalue())
-        self.memo_size = len(pickler.memo.copy())
+        """``obj`` pickled in this stream's memo. The pickler starts from a memo of every object
+        in ``memo_objects`` (a fresh placeholder for a None; the C pickler numbers new entries
+        from the memo's size on), so its BINGETs are right, shared or cyclic references in
+        ``obj`` survive, and the objects already memoised are referenced (an fqn in
+        ``planner_data``); the stream's memo grows by what it memoised (as placeholders). One
+        pickler serves consecutive calls while nothing else was memoised in between; building
+        another costs O(memo): for a few objects per file."""
+        if self._pickler is None or self._pickler_memo_size != self.memo_size:
+            self._pickler_out = io.BytesIO()
+            self._pickler = pickle.Pickler(self._pickler_out, protocol=_PROTOCOL)
+            if self.memo_objects:
+                self._pickler.memo = {i: (i, object() if o is None else o) for i, o in enumerate(self.memo_objects)}
+        out = self._pickler_out
+        out.seek(0)
+        out.truncate()
+        self._pickler.dump(obj)
+        body = _strip_pickle(out.getvalue())
+        size = len(self._pickler.memo.copy())
+        if size < self.memo_size:
+            raise AssertionError("the pickler's memo lost track of the stream's")
+        self.memo_objects.extend([None] * (size - self.memo_size))
+        self._pickler_memo_size = size
         return body
+
+
+class _Shared:
+    """The objects written once for the whole file and referenced from then on: ``torch.Size``
+    values (keyed by their ints) and ``TensorProperties`` (keyed by their type and 5 fields).
+    Each takes one memo slot. Lives for one :func:`write_metadata` call (the identity cache of
+    properties relies on the table keeping its objects alive meanwhile)."""
+
+    def __init__(self, stream: _Stream, size_get: bytes) -> None:
+        self.stream = stream
+        self.size_get = size_get  # BINGET of the class torch.Size
+        self.sizes: dict[tuple[int, ...], int] = {}  # value -> memo index
+        self._size_gets: dict[tuple[int, ...], bytes] = {}  # value -> its BINGET
+        self._properties: dict[tuple[Any, ...], bytes] = {}  # fields -> BINGET
+        self._properties_by_id: dict[int, bytes] = {}  # id of a properties object seen -> BINGET
+
+    def push_size(self, key: tuple[int, ...], memoise: bool = True) -> bytes:
+        """Opcodes pushing ``torch.Size(key)``: a BINGET when it was written before, else the Size
+        itself, memoised unless ``memoise`` is False (a value nothing will reference again: a memo
+        slot costs a byte, and it pushes later memo indices past 255, where a reference takes 5
+        bytes instead of 2). The caller adds the bytes to the stream before it memoises anything else."""
+        get = self._size_gets.get(key)
+        if get is not None:
+            return get
+        before, after = _tuple_ops(len(key))
+        body = self.size_get + before + b"".join([_int(v) for v in key]) + after + _TUPLE1 + _REDUCE
+        if not memoise:
+            return body
+        op, index = self.stream.memoize()
+        self.sizes[key] = index
+        self._size_gets[key] = _get(index)
+        return body + op
+
+    def push_properties(self, props: Any) -> bytes:
+        """Opcodes pushing ``props`` (a ``TensorProperties``): a BINGET when an equal one was
+        written before. Fallback: anything unhashable or not shaped like TensorProperties is
+        pickled on its own each time."""
+        get = self._properties_by_id.get(id(props))
+        if get is not None:
+            return get
+        try:
+            key = (type(props), props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
+            hash(key)
+        except (AttributeError, TypeError):
+            return _pickled_fast(props)
+        get = self._properties.get(key)
+        if get is not None:
+            self._properties_by_id[id(props)] = get
+            return get
+        # Pickled without a memo of its own and memoised whole: one memo slot per distinct
+        # properties (its dozen inner objects would take a dozen, see push_size).
+        op, index = self.stream.memoize()
+        self._properties[key] = self._properties_by_id[id(props)] = _get(index)
+        return _pickled_fast(props) + op
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,29 +399,157 @@ def _le_bytes(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The writer
+# Windows of rows: one record template per row shape, runs of rows in row order
 # ---------------------------------------------------------------------------------------------
 
+# A row's shape code: base * 4 + variant. ``base`` fixes the record's layout apart from sharing
+# (its ndim, and for storage_data whether it has a checksum); the variant bits say which parts
+# reference a shared object: _ZERO (offsets all zero: the zero Size of that ndim) and _WHOLE (chunk
+# sizes equal to the tensor's: the tensor's Size). Variant 0 is the generic record of the base,
+# valid for any row of that base.
+_ZERO, _WHOLE = 1, 2
 
-def _blocks(table: ChunkTable, fqn_kind: list[int]) -> list[tuple[int, int]]:
-    """The table's rows as blocks of at most ``_BLOCK_ROWS`` rows that share one record shape:
-    same kind and ndim (entry-level, changes only at entry starts) and the same checksum
-    presence (per row)."""
-    rows = table.rows
-    cuts = {0, rows}
-    starts = table.row_start.tolist()
-    for e in range(1, len(fqn_kind)):
-        if fqn_kind[e] != fqn_kind[e - 1]:
-            cuts.add(starts[e])
-    if table.storage is not None and rows > 1:
-        has = table.storage.checksums != NO_CHECKSUM
-        cuts.update((torch.nonzero(has[1:] != has[:-1]).flatten() + 1).tolist())
-    bounds = sorted(c for c in cuts if 0 <= c <= rows)
-    blocks = []
-    for a, b in zip(bounds, bounds[1:]):
-        for s in range(a, b, _BLOCK_ROWS):
-            blocks.append((s, min(b, s + _BLOCK_ROWS)))
-    return blocks
+
+class _WindowRows:
+    """What a window [start, end) of rows needs to pick its rows' shapes: their entries, the
+    entries' kinds and, for rows of entries with at most ``_FEW_ROWS`` chunks, whether the
+    chunk's offsets are all zero and its sizes the tensor's. Tensor ops over the window's rows, a
+    Python step per entry at most."""
+
+    def __init__(self, table: ChunkTable, kinds: list[int]) -> None:
+        self.table = table
+        self.starts = table.row_start.tolist()
+        self.kinds = torch.tensor(kinds, dtype=torch.int64).reshape(-1)  # ndim, -1 for bytes entries
+        self.counts = table.row_start[1:] - table.row_start[:-1]
+        self.few = (self.counts <= _FEW_ROWS) & (self.counts > 0) & (self.kinds >= 0)  # tensor entries with few chunks
+        width = table.offsets.shape[1]
+        self.width_range = torch.arange(width, dtype=torch.int64)
+        padded = [list(s) + [0] * (width - len(s)) if s is not None and len(s) <= width else [0] * width
+                  for s in table.sizes]
+        self.entry_sizes = torch.tensor(padded, dtype=torch.int64).reshape(-1, width)
+
+    def entries(self, start: int, end: int) -> tuple[int, torch.Tensor]:
+        """(first entry of the window, each of its entries' rows inside the window) for entries
+        first .. the entry of row end - 1."""
+        first = bisect_right(self.starts, start) - 1
+        last = bisect_right(self.starts, end - 1) - 1
+        bounds = self.table.row_start[first : last + 2]
+        return first, bounds[1:].clamp(max=end) - bounds[:-1].clamp(min=start)
+
+    def entry_of_rows(self, start: int, end: int) -> torch.Tensor:
+        first, inside = self.entries(start, end)
+        return torch.repeat_interleave(torch.arange(first, first + len(inside), dtype=torch.int64), inside)
+
+    def codes(self, start: int, end: int, *, storage: bool) -> int | torch.Tensor:
+        """The shape code of each row in [start, end) (an int when all rows share one): base
+        ``ndim + 1`` (0 for bytes rows) for a chunk of state_dict_metadata, ``(kind + 1) * 2 +
+        has_checksum`` for an item of storage_data; variants _ZERO and (chunks only) _WHOLE."""
+        first, inside = self.entries(start, end)
+        kinds = self.kinds[first : first + len(inside)]
+        base = kinds + 1
+        has: torch.Tensor | int = 0
+        if storage:
+            base = base * 2
+            checks = self.table.storage.checksums[start:end] != NO_CHECKSUM
+            has = int(checks[0]) if bool((checks == checks[0]).all()) else checks.to(torch.int64)
+        few = self.few[first : first + len(inside)]
+        any_few = bool(few.any())
+        lo, hi = (int(v) for v in torch.aminmax(base))
+        if lo == hi and isinstance(has, int) and not any_few:
+            return (lo + has) * 4
+        codes = (torch.repeat_interleave(base, inside) + has) * 4
+        if any_few:
+            rows = torch.nonzero(torch.repeat_interleave(few, inside)).flatten()
+            entry = torch.repeat_interleave(torch.arange(first, first + len(inside), dtype=torch.int64), inside)[rows]
+            outside = self.width_range >= self.kinds[entry][:, None]  # columns past the row's ndim
+            zero = ((self.table.offsets[start + rows] == 0) | outside).all(1)
+            variant = zero.to(torch.int64) * _ZERO
+            if not storage:
+                whole = ((self.table.lengths[start + rows] == self.entry_sizes[entry]) | outside).all(1)
+                variant += whole.to(torch.int64) * _WHOLE
+            codes[rows] += variant
+        return codes
+
+
+class _Window:
+    """The records of the rows [start, end), built once: per shape code a group of records (for
+    its rows, gathered, or for a span of rows holding them) and the runs of rows in row order,
+    each naming its group and the record of its first row there."""
+
+    def __init__(self, start: int, end: int, codes: int | torch.Tensor, build: Any) -> None:
+        """``build(sel, code)``: uint8 records [rows, bytes] for the window rows ``sel`` (a slice
+        or an int64 tensor of positions in the window) of shape ``code``, or None for rows that
+        are never emitted."""
+        self.start, self.end = start, end
+        n = end - start
+        if isinstance(codes, int):
+            bounds, run_codes = [0, n], [codes]
+        else:
+            cuts = (torch.nonzero(codes[1:] != codes[:-1]).flatten() + 1).tolist()
+            bounds = [0] + cuts + [n]
+            run_codes = codes[bounds[:-1]].tolist()
+        groups: dict[int, tuple[Any, int | None]] = {}  # code -> (records, views, width | None; first row of a span)
+        distinct = set(run_codes)
+        for code in distinct:
+            if len(distinct) == 1:
+                sel: slice | torch.Tensor = slice(0, n)
+            else:
+                where = torch.nonzero(codes == code).flatten()
+                first, last = int(where[0]), int(where[-1])
+                # Records for a span of rows (sliced columns, no gather) when the holes in it are
+                # at most as many as the code's own rows and are rows of the same base: their
+                # records go unused, and their values (same ndim) do not widen the int opcodes.
+                span = last - first + 1 == len(where) or (
+                    last - first + 1 <= 2 * len(where) and bool(((codes[first : last + 1] >> 2) == (code >> 2)).all())
+                )
+                sel = slice(first, last + 1) if span else where
+            records = build(sel, code)
+            group = None if records is None else (records, _tensor_view(records), records.shape[1])
+            groups[code] = (group, sel.start if isinstance(sel, slice) else None)
+        self.runs: list[tuple[int, int, Any, int]] = []  # (start, end, group, record of start)
+        seen: dict[int, int] = {}
+        for run_start, run_end, code in zip(bounds, bounds[1:], run_codes):
+            group, span_start = groups[code]
+            at = run_start - span_start if span_start is not None else seen.get(code, 0)
+            seen[code] = seen.get(code, 0) + run_end - run_start
+            self.runs.append((run_start, run_end, group, at))
+        self.run_starts = bounds[:-1]
+
+    def emit(self, stream: _Stream, lo: int, hi: int) -> None:
+        """Add the records of the table rows [lo, hi) (inside this window) to ``stream``."""
+        lo -= self.start
+        hi -= self.start
+        if len(self.runs) == 1:  # the common case: one group for the whole window
+            records, view, width = self.runs[0][2]
+            stream.add_records(view[lo * width : hi * width], records)
+            return
+        i = bisect_right(self.run_starts, lo) - 1
+        while i < len(self.runs) and self.runs[i][0] < hi:
+            run_start, run_end, group, at = self.runs[i]
+            a, b = max(lo, run_start), min(hi, run_end)
+            records, view, width = group
+            stream.add_records(view[(at + a - run_start) * width : (at + b - run_start) * width], records)
+            i += 1
+
+
+class _WindowCursor:
+    """Walks windows of ``_BLOCK_ROWS`` rows in row order, building each window once."""
+
+    def __init__(self, rows: int, make: Any) -> None:
+        self.rows = rows
+        self.make = make  # make(start, end) -> _Window
+        self.current: _Window | None = None
+
+    def window(self, row: int) -> _Window:
+        if self.current is None or not self.current.start <= row < self.current.end:
+            start = row - row % _BLOCK_ROWS
+            self.current = self.make(start, min(self.rows, start + _BLOCK_ROWS))
+        return self.current
+
+
+# ---------------------------------------------------------------------------------------------
+# The writer
+# ---------------------------------------------------------------------------------------------
 
 
 def _check_table(table: ChunkTable) -> None:
@@ -360,12 +590,14 @@ def write_metadata(
     seeked); returns the bytes written.
 
     The pickle unpickles to ``table_to_metadata(table, planner_data, storage_meta, version)``
-    (equal, with the same attributes on every object and the same ``MetadataIndex.index`` hints),
-    plus the attribute ``fastdcp_chunk_index = chunk_index_name`` when one is given.
+    (equal, with the same attributes on every object and the same ``MetadataIndex.index`` hints;
+    equal ``TensorProperties`` and ``torch.Size`` values may be one shared object), plus the
+    attribute ``fastdcp_chunk_index = chunk_index_name`` when one is given.
     Preconditions: ``table`` is consistent (row_start spans the rows, a bytes entry has one row,
     columns past an entry's ndim are ignored); ``planner_data``/``storage_meta``/``version`` are
     picklable. Memory: the output is written in frames of ~4 MB, records built ``_BLOCK_ROWS``
-    rows at a time; per-row temporaries are a few bytes per row.
+    rows at a time; per-row temporaries are a few bytes per row; each entry's opening (~100 bytes)
+    is composed before the first chunk is written.
     """
     _check_table(table)
     if chunk_index_name is not None and (type(chunk_index_name) is not str or not chunk_index_name):
@@ -406,14 +638,24 @@ def write_metadata(
         op, index = stream.memoize()
         head += op
         memo[field] = _get(index)
+    # A few file names take memo slots below 256 here, before the fqns: every storage_data item
+    # references one (BINGET, 2 bytes, instead of LONG_BINGET, 5). Many files (one per rank) come
+    # after the fqns, which keep those slots.
+    file_memo = None
+    if table.storage is not None and len(table.storage.files) <= _EARLY_FILES:
+        file_memo = _memoise_files(head, stream, table.storage.files)
+    # The all-zero offsets of each ndim the chunks of few-chunk entries may have (a chunk record
+    # references them: they must be memoised before the entries, see _write_state_dict_metadata).
+    shared = _Shared(stream, memo["Size"])
+    rows = _WindowRows(table, [(-1 if size is None else len(size)) for size in table.sizes])
+    for ndim in sorted(set(rows.kinds[rows.few].tolist())):
+        head += shared.push_size((0,) * ndim)
     head += _POP_MARK
     stream.add(bytes(head))
 
-    kinds = [(-1 if size is None else len(size)) for size in table.sizes]
-    blocks = _blocks(table, kinds)
-    fqn_memo = _write_state_dict_metadata(stream, memo, table, blocks)
+    fqn_memo = _write_state_dict_metadata(stream, memo, shared, table, rows)
     stream.add(_unicode("planner_data") + stream.pickled(planner_data) + _SETITEM)
-    _write_storage_data(stream, memo, table, blocks, fqn_memo)
+    _write_storage_data(stream, memo, shared, table, rows, fqn_memo, file_memo)
     stream.add(_unicode("storage_meta") + stream.pickled(storage_meta) + _SETITEM)
     stream.add(_unicode("version") + stream.pickled(version) + _SETITEM)
     stream.add(_BUILD + _STOP)
@@ -421,141 +663,176 @@ def write_metadata(
     return stream.written
 
 
-class _BlockCursor:
-    """Walks the blocks in row order, building each block's records once."""
-
-    def __init__(self, blocks: list[tuple[int, int]], build: Any) -> None:
-        self.blocks = blocks
-        self.build = build
-        self.i = 0
-        self.current: tuple[int, int, torch.Tensor, memoryview, int] | None = None
-
-    def records(self, row: int) -> tuple[int, int, torch.Tensor, memoryview, int]:
-        """(start, end, records, their bytes, record size) of the block holding ``row``."""
-        while self.blocks[self.i][1] <= row:
-            self.i += 1
-        start, end = self.blocks[self.i]
-        if self.current is None or self.current[0] != start:
-            records = self.build(start, end)
-            self.current = (start, end, records, _tensor_view(records), records.shape[1])
-        return self.current
+def _memoise_files(out: bytearray, stream: _Stream, files: list[str]) -> list[int]:
+    """Append the file names, each memoised, to ``out`` (inside a MARK the caller drops with
+    POP_MARK); returns their memo indices."""
+    file_memo = []
+    for name in files:
+        op, index = stream.memoize(name)
+        out += _unicode(name) + op
+        file_memo.append(index)
+    return file_memo
 
 
-def _props_body(cache: dict[Any, bytes], props: Any) -> bytes:
-    try:
-        key = (type(props), props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
-        hash(key)
-    except (AttributeError, TypeError):
-        return _pickled_fast(props)
-    body = cache.get(key)
-    if body is None:
-        body = cache[key] = _pickled_fast(props)
-    return body
+def _rows_of(start: int, sel: slice | torch.Tensor) -> slice | torch.Tensor:
+    """The table rows of window positions ``sel`` (a window starting at row ``start``)."""
+    return slice(start + sel.start, start + sel.stop) if isinstance(sel, slice) else sel + start
 
 
 def _write_state_dict_metadata(
-    stream: _Stream, memo: dict[str, bytes], table: ChunkTable, blocks: list[tuple[int, int]]
+    stream: _Stream, memo: dict[str, bytes], shared: _Shared, table: ChunkTable, window_rows: _WindowRows
 ) -> list[int]:
-    """The ``state_dict_metadata`` key and dict; returns each fqn string's memo index."""
-    size_get = memo["Size"]
+    """The ``state_dict_metadata`` key and dict; returns each fqn string's memo index.
 
-    def build_chunks(start: int, end: int) -> torch.Tensor:
-        ndim = len(table.sizes[int(torch.searchsorted(table.row_start, start, right=True)) - 1])
-        rec = _Record(size_get)
-        rec.const(memo["ChunkStorageMetadata"] + _NEW + _EMPTY_DICT + _MARK + memo["offsets"])
-        rec.size(table.offsets[start:end, :ndim])
-        rec.const(memo["sizes"])
-        rec.size(table.lengths[start:end, :ndim])
-        rec.const(_SETITEMS + _BUILD)
-        return rec.build(end - start)
-
-    cursor = _BlockCursor(blocks, build_chunks)
-    stream.add(_unicode("state_dict_metadata") + _EMPTY_DICT)
-    starts = table.row_start.tolist()
-    props_cache: dict[Any, bytes] = {}
-    fqn_memo = []
+    Every entry's opening (fqn, properties, size) is composed first, so that the memo index of
+    each tensor's Size is known before any window of chunk records that references it is built;
+    emitting the chunks then memoises nothing (the zero Sizes were memoised in the header)."""
+    heads: list[bytes] = []
+    fqn_memo: list[int] = []
+    size_memo: list[int] = []  # per entry: the memo index of its Size, -1 when not memoised
+    # A tensor's Size is memoised when something may reference it again: another entry of that
+    # size, or the whole-tensor chunk of an entry with few chunks.
+    size_keys = [None if size is None else tuple(int(v) for v in size) for size in table.sizes]
+    repeated = {key for key, n in Counter(size_keys).items() if n > 1}
+    few = window_rows.few.tolist()
+    bytes_entry = memo["BytesStorageMetadata"] + _NEW + _SETITEM
+    tensor_entry = memo["TensorStorageMetadata"] + _NEW + _EMPTY_DICT + _MARK + memo["properties"]
+    size_field, chunks_field = memo["size"], memo["chunks"] + _EMPTY_LIST
+    push_properties, push_size, size_index = shared.push_properties, shared.push_size, shared.sizes.get
     for e, fqn in enumerate(table.fqns):
-        op, index = stream.memoize()
+        # In memo order: the fqn, then what the properties and the size memoise.
+        op, index = stream.memoize(fqn)
         fqn_memo.append(index)
-        head = _unicode(fqn) + op
-        size = table.sizes[e]
-        if size is None:
-            stream.add(head + memo["BytesStorageMetadata"] + _NEW + _SETITEM)
+        key = size_keys[e]
+        if key is None:
+            heads.append(_unicode(fqn) + op + bytes_entry)
+            size_memo.append(-1)
             continue
-        before, after = _tuple_ops(len(size))
-        head += memo["TensorStorageMetadata"] + _NEW + _EMPTY_DICT + _MARK
-        head += memo["properties"] + _props_body(props_cache, table.properties[e])
-        dims = b"".join(_int(int(v)) for v in size)
-        head += memo["size"] + memo["Size"] + before + dims + after + _TUPLE1 + _REDUCE
-        head += memo["chunks"] + _EMPTY_LIST
-        stream.add(head)
+        props = push_properties(table.properties[e])
+        size = push_size(key, few[e] or key in repeated)
+        heads.append(b"".join((_unicode(fqn), op, tensor_entry, props, size_field, size, chunks_field)))
+        size_memo.append(size_index(key, -1))
+    size_memo_t = torch.tensor(size_memo, dtype=torch.int64)
+
+    def build_chunks(start: int, entry_of: Any, sel: slice | torch.Tensor, code: int) -> torch.Tensor | None:
+        ndim, variant = (code >> 2) - 1, code & 3
+        if ndim < 0:
+            return None  # bytes rows: no chunk
+        rows = _rows_of(start, sel)
+        rec = _Record(shared.size_get)
+        rec.const(memo["ChunkStorageMetadata"] + _NEW + _EMPTY_DICT + _MARK + memo["offsets"])
+        if variant & _ZERO:
+            rec.const(_get(shared.sizes[(0,) * ndim]))  # memoised in the header
+        else:
+            rec.size(table.offsets[rows, :ndim])
+        rec.const(memo["sizes"])
+        if variant & _WHOLE:
+            rec.memo_ref(size_memo_t[entry_of()[sel]])  # the tensors' own Sizes (few entries memoise theirs)
+        else:
+            rec.size(table.lengths[rows, :ndim])
+        rec.const(_SETITEMS + _BUILD)
+        return rec.build(sel.stop - sel.start if isinstance(sel, slice) else len(sel))
+
+    def make(start: int, end: int) -> _Window:
+        entry_rows: list[torch.Tensor] = []
+
+        def entry_of() -> torch.Tensor:  # the window's rows' entries, computed once when needed
+            if not entry_rows:
+                entry_rows.append(window_rows.entry_of_rows(start, end))
+            return entry_rows[0]
+
+        codes = window_rows.codes(start, end, storage=False)
+        return _Window(start, end, codes, lambda sel, code: build_chunks(start, entry_of, sel, code))
+
+    cursor = _WindowCursor(table.rows, make)
+    stream.add(_unicode("state_dict_metadata") + _EMPTY_DICT)
+    starts = window_rows.starts
+    memo_size = stream.memo_size
+    for e, head in enumerate(heads):
         row, end = starts[e], starts[e + 1]
+        if size_keys[e] is None:
+            stream.add(head)
+            continue
+        if row == end:
+            stream.add(head + _SETITEMS + _BUILD + _SETITEM)
+            continue
+        stream.add(head + _MARK)
         while row < end:
-            start, block_end, records, view, width = cursor.records(row)
-            stop = min(end, block_end)
-            stream.add(_MARK)
-            stream.add_records(view[(row - start) * width : (stop - start) * width], records)
-            stream.add(_APPENDS)
+            window = cursor.window(row)
+            stop = min(end, window.end)
+            window.emit(stream, row, stop)
             row = stop
-        stream.add(_SETITEMS + _BUILD + _SETITEM)
+        stream.add(_APPENDS + _SETITEMS + _BUILD + _SETITEM)
+    if stream.memo_size != memo_size:
+        raise AssertionError("chunk records memoised something after the entries' memo indices were assigned")
     stream.add(_SETITEM)
     return fqn_memo
 
 
 def _write_storage_data(
-    stream: _Stream, memo: dict[str, bytes], table: ChunkTable, blocks: list[tuple[int, int]], fqn_memo: list[int]
+    stream: _Stream,
+    memo: dict[str, bytes],
+    shared: _Shared,
+    table: ChunkTable,
+    window_rows: _WindowRows,
+    fqn_memo: list[int],
+    file_memo: list[int] | None,
 ) -> None:
-    """The ``storage_data`` key and dict (``None`` when the table has no storage columns)."""
+    """The ``storage_data`` key and dict (``None`` when the table has no storage columns).
+    ``file_memo``: the memo indices of the file names, None when they are not written yet."""
     storage = table.storage
     if storage is None:
         stream.add(_unicode("storage_data") + _NONE + _SETITEM)
         return
-    # File names, memoised once (and dropped from the stack again).
-    files = bytearray(_MARK)
-    file_memo = []
-    for name in storage.files:
-        op, index = stream.memoize()
-        files += _unicode(name) + op
-        file_memo.append(index)
-    files += _POP_MARK
-    stream.add(bytes(files))
+    if file_memo is None:
+        files = bytearray(_MARK)
+        file_memo = _memoise_files(files, stream, storage.files)
+        files += _POP_MARK
+        stream.add(bytes(files))
     file_memo_t = torch.tensor(file_memo, dtype=torch.int64)
     fqn_memo_t = torch.tensor(fqn_memo, dtype=torch.int64)
     row_start = table.row_start
-    size_get = memo["Size"]
 
-    def build_items(start: int, end: int) -> torch.Tensor:
-        rows = torch.arange(start, end, dtype=torch.int64)
-        entry = torch.searchsorted(row_start, rows, right=True) - 1
-        first = int(entry[0])
-        size = table.sizes[first]
-        rec = _Record(size_get)
+    def build_items(start: int, entry_rows: torch.Tensor, sel: slice | torch.Tensor, code: int) -> torch.Tensor:
+        base, variant = code >> 2, code & 3
+        ndim, has_checksum = (base >> 1) - 1, base & 1
+        rows = _rows_of(start, sel)
+        entry = entry_rows[sel]
+        rec = _Record(shared.size_get)
         rec.const(memo["MetadataIndex"] + _NEW + _EMPTY_DICT + _MARK + memo["fqn"])
         rec.memo_ref(fqn_memo_t[entry])
         rec.const(memo["index"])
-        if size is None:
+        if ndim < 0:
             rec.const(_NONE)
         else:
-            rec.ints(rows - row_start[entry])
+            row_numbers = (torch.arange(rows.start, rows.stop, dtype=torch.int64) if isinstance(rows, slice)
+                           else rows)
+            rec.ints(row_numbers - row_start[entry])
             rec.const(memo["offset"])
-            rec.size(table.offsets[start:end, : len(size)])
+            if variant & _ZERO:
+                rec.const(_get(shared.sizes[(0,) * ndim]))  # memoised in the header
+            else:
+                rec.size(table.offsets[rows, :ndim])
         rec.const(_SETITEMS + _BUILD)
         rec.const(memo["_StorageInfo"] + _NEW + _EMPTY_DICT + _MARK + memo["relative_path"])
-        rec.memo_ref(file_memo_t[storage.file_index[start:end].to(torch.int64)])
+        rec.memo_ref(file_memo_t[storage.file_index[rows].to(torch.int64)])
         rec.const(memo["offset"])
-        rec.ints(storage.byte_offset[start:end])
+        rec.ints(storage.byte_offset[rows])
         rec.const(memo["length"])
-        rec.ints(storage.byte_length[start:end])
-        if int(storage.checksums[start]) != NO_CHECKSUM:
+        rec.ints(storage.byte_length[rows])
+        if has_checksum:
             rec.const(memo[CHECKSUM_ATTRIBUTE])
-            rec.ints(storage.checksums[start:end])
+            rec.ints(storage.checksums[rows])
         rec.const(_SETITEMS + _BUILD)
-        return rec.build(end - start)
+        return rec.build(len(entry))
 
     stream.add(_unicode("storage_data") + _EMPTY_DICT)
-    for start, end in blocks:
-        records = build_items(start, end)
+    for start in range(0, table.rows, _BLOCK_ROWS):
+        end = min(table.rows, start + _BLOCK_ROWS)
+        entry_rows = window_rows.entry_of_rows(start, end)
+        codes = window_rows.codes(start, end, storage=True)
+        window = _Window(start, end, codes, lambda sel, code: build_items(start, entry_rows, sel, code))
         stream.add(_MARK)
-        stream.add_records(_tensor_view(records), records)
+        window.emit(stream, start, end)
         stream.add(_SETITEMS)
     stream.add(_SETITEM)

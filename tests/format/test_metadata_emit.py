@@ -14,12 +14,19 @@ import random
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 import chunk_table_cases as T
 from fastdcp.format import metadata_emit as ME
 from fastdcp.format.chunk_index import find_chunk_index_name
-from fastdcp.format.chunk_table import ChunkTable, StorageColumns, table_to_metadata
+from fastdcp.format.chunk_table import NO_CHECKSUM, ChunkTable, StorageColumns, table_to_metadata
 from fastdcp.format.metadata import CheckpointFormatError, parse_metadata
 from fastdcp.format.metadata_emit import CHUNK_INDEX_ATTRIBUTE, write_metadata
 
@@ -208,3 +215,265 @@ def test_smaller_than_stock_for_the_sharded_shape():
     stock = pickle.dumps(expected(table))
     assert len(data) < len(stock)
     check_all_readers(data, expected(table))
+
+
+# --------------------------------------------------------------------------- #
+# shared objects: many small tensors
+# --------------------------------------------------------------------------- #
+SMALL_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8]
+
+
+def small_tensors_table(n: int, *, mixed: bool = False, seed: int = 0) -> ChunkTable:
+    """What FastSavePlanner saves for ``n`` small tensors (like ``dcp_cases.many_small_tensors``):
+    one whole-tensor chunk each, all in one file, with checksums; ``mixed``: weights (2-D), biases
+    (1-D), scalars (0-D) and now and then a bytes entry, in turn. Each entry has its own (equal)
+    TensorProperties object, as stock's planner makes them."""
+    g = torch.Generator().manual_seed(seed)
+    fqns, props, sizes = [], [], []
+    for i in range(n):
+        kind = i % 4 if mixed else 0
+        if kind == 3 and i % 20 == 3:
+            fqns.append(f"extra.{i}")
+            props.append(None)
+            sizes.append(None)
+            continue
+        fqns.append(f"layer{i:05d}.{'wbs'[min(kind, 2)]}")
+        props.append(TensorProperties(dtype=SMALL_DTYPES[i % len(SMALL_DTYPES)]))
+        shape = [(1 + i % 5, 3 + i % 7), (3 + i % 7,), (), (2 + i % 3, 5)][kind]
+        sizes.append(torch.Size(shape))
+    width = 2
+    lengths = torch.tensor([list(s) + [0] * (width - len(s)) if s is not None else [0] * width for s in sizes],
+                           dtype=torch.int64).view(n, width)
+    nbytes = lengths.clamp(min=1).prod(1) * 4 + 64
+    return ChunkTable(fqns, props, sizes, torch.arange(n + 1, dtype=torch.int64),
+                      torch.zeros(n, width, dtype=torch.int64), lengths,
+                      StorageColumns(["__0_0.distcp"], torch.zeros(n, dtype=torch.int32), nbytes.cumsum(0) - nbytes,
+                                     nbytes, torch.randint(0, 1 << 32, (n,), generator=g)))
+
+
+def shared_like_the_planner(md: Metadata) -> Metadata:
+    """``md`` with its equal objects shared the way FastSavePlanner's items share them (one
+    TensorProperties per distinct value, one Size per shape, one zero-offsets Size per ndim, one
+    ChunkStorageMetadata per whole-tensor shape): what stock's pickler memoises in a plan."""
+    props: dict = {}
+    sizes: dict = {}
+    zeros: dict = {}
+    whole: dict = {}
+    for tsm in md.state_dict_metadata.values():
+        if not isinstance(tsm, TensorStorageMetadata):
+            continue
+        p = tsm.properties
+        tsm.properties = props.setdefault((p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory), p)
+        tsm.size = sizes.setdefault(tuple(tsm.size), tsm.size)
+        for i, chunk in enumerate(tsm.chunks):
+            if tuple(chunk.sizes) == tuple(tsm.size) and not any(chunk.offsets):
+                zero = zeros.setdefault(len(tsm.size), chunk.offsets)
+                tsm.chunks[i] = whole.setdefault(tuple(tsm.size), ChunkStorageMetadata(zero, tsm.size))
+    storage = {}
+    for index, info in md.storage_data.items():
+        offset = index.offset
+        if offset is not None and not any(offset):
+            offset = zeros.setdefault(len(offset), offset)
+        storage[MetadataIndex(index.fqn, offset, index.index)] = info
+    md.storage_data = storage
+    return md
+
+
+def planner_extras(table: ChunkTable) -> dict:
+    """planner_data as a planner makes it, {fqn: object path}, with the table's fqn objects as
+    keys and a path component shared by every path."""
+    prefix = "model"
+    return {**T.extras(), "planner_data": {fqn: (prefix, fqn) for fqn in table.fqns}}
+
+
+@pytest.mark.parametrize("n", [200, 3000])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_many_small_entries_are_smaller_than_stock(n, mixed):
+    """Many single-chunk entries: smaller than stock's pickle of the same objects, even when
+    those share what a plan shares (stock's pickler then writes each shared object once)."""
+    table = small_tensors_table(n, mixed=mixed)
+    extras = planner_extras(table)
+    data = emit(table, "idx", **extras)
+    want = expected(table, "idx", **extras)
+    stock = pickle.dumps(want)
+    stock_shared = pickle.dumps(shared_like_the_planner(expected(table, "idx", **extras)))
+    assert len(stock_shared) < len(stock)
+    assert len(data) < 0.85 * len(stock_shared)
+    if n == 200:
+        check_all_readers(data, want)
+    else:
+        assert pickle.loads(data) == want
+
+
+def test_equal_objects_are_shared_and_chunks_of_big_entries_are_not():
+    """Equal TensorProperties are one object; a repeated size is one Size; a single whole-tensor
+    chunk's sizes are its tensor's Size and its offsets (and its storage key's) the zero Size of
+    its ndim; planner_data's keys are the fqn strings of state_dict_metadata. Chunks of an entry
+    with many chunks share nothing, and the memo grows per entry, not per chunk."""
+    small = small_tensors_table(60, mixed=True)
+    sharded = T.sharded_table(ranks=300, entries=4)
+    table = ChunkTable(
+        small.fqns + sharded.fqns, small.properties + sharded.properties, small.sizes + sharded.sizes,
+        torch.cat([small.row_start, sharded.row_start[1:] + small.rows]),
+        torch.cat([small.offsets, sharded.offsets]), torch.cat([small.lengths, sharded.lengths]),
+        StorageColumns(small.storage.files + sharded.storage.files,
+                       torch.cat([small.storage.file_index, sharded.storage.file_index + 1]),
+                       *(torch.cat([getattr(small.storage, c), getattr(sharded.storage, c)])
+                         for c in ("byte_offset", "byte_length", "checksums"))),
+    )
+    extras = planner_extras(table)
+    data = emit(table, **extras)
+    check_all_readers(data, expected(table, **extras))
+    got = pickle.loads(data)
+    tensors = {fqn: m for fqn, m in got.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    by_props: dict = {}
+    by_size: dict = {}
+    for m in tensors.values():
+        p = m.properties
+        by_props.setdefault((p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory), set()).add(id(p))
+        by_size.setdefault(tuple(m.size), set()).add(id(m.size))
+    assert all(len(ids) == 1 for ids in by_props.values()) and len(by_props) == len(SMALL_DTYPES)
+    assert all(len(ids) == 1 for ids in by_size.values())
+    zeros: dict = {}
+    keys = {(k.fqn, k.index): k for k in got.storage_data}
+    for fqn, m in tensors.items():
+        if len(m.chunks) == 1:
+            (chunk,) = m.chunks
+            assert chunk.sizes is m.size
+            assert chunk.offsets is zeros.setdefault(len(m.size), chunk.offsets)
+            assert keys[(fqn, 0)].offset is chunk.offsets
+        else:
+            assert len(m.chunks) == 300
+            objects = [id(o) for c in m.chunks for o in (c.offsets, c.sizes)] + [id(m.size)]
+            assert len(set(objects)) == len(objects)
+    assert {len(z) for z in zeros.values()} == {0, 1, 2}
+    assert all(key is fqn for key, fqn in zip(got.planner_data, got.state_dict_metadata))
+    memoised = sum(op.name == "MEMOIZE" for op, _, _ in pickletools.genops(data))  # fqn, size, planner_data tuple
+    assert memoised < 3 * len(table.fqns) + len(table.storage.files) + 100 < table.rows
+
+
+def shared_parts_table(seed: int, entries: int = 120) -> ChunkTable:
+    """Entries of every chunk pattern the sharing rules tell apart: single whole-tensor chunks,
+    single chunks with zero offsets but partial sizes, single chunks at an offset, entries split
+    in 2..30 chunks (zero offsets first), entries without chunks, 0-D entries, zero-size tensors,
+    bytes entries; 0..4 dimensions; TensorProperties equal and not, shared objects and not;
+    checksums on some rows; junk in the columns past each entry's ndim (ignored by the format)."""
+    rng = random.Random(seed)
+    shared_props = [TensorProperties(dtype=d) for d in SMALL_DTYPES]
+    fqns, props, sizes, boxes = [], [], [], []
+    for i in range(entries):
+        fqns.append(f"e{i}")
+        pattern = rng.choice(["whole", "whole", "whole", "zero_partial", "at_offset", "split", "none", "bytes"])
+        if pattern == "bytes":
+            props.append(None)
+            sizes.append(None)
+            boxes.append([((), ())])
+            continue
+        ndim = rng.choice([0, 1, 2, 2, 3, 4])
+        size = [rng.choice([0, 1, 3, 4, 300]) if rng.random() < 0.2 else rng.randint(1, 6) for _ in range(ndim)]
+        sizes.append(torch.Size(size))
+        r = rng.random()
+        props.append(rng.choice(shared_props) if r < 0.4 else TensorProperties(
+            dtype=rng.choice(SMALL_DTYPES), requires_grad=r > 0.8, pin_memory=0.7 < r < 0.9))
+        zero = tuple([0] * ndim)
+        if pattern == "whole" or ndim == 0:
+            boxes.append([(zero, tuple(size))])
+        elif pattern == "zero_partial":
+            boxes.append([(zero, tuple(max(0, d - 1) for d in size))])
+        elif pattern == "at_offset":
+            off = tuple(min(1, d) for d in size)
+            boxes.append([(off, tuple(d - o for d, o in zip(size, off)))])
+        elif pattern == "split":
+            k = rng.randint(2, 30)
+            boxes.append([((j,) + zero[1:], (1,) + tuple(size[1:])) for j in range(k)])
+            sizes[-1] = torch.Size([k] + size[1:])
+        else:
+            boxes.append([])
+    rows = sum(len(b) for b in boxes)
+    width = 5
+    offsets = torch.randint(-9, 1 << 40, (rows, width), dtype=torch.int64)  # junk past each ndim
+    lengths = torch.randint(-9, 1 << 40, (rows, width), dtype=torch.int64)
+    r = 0
+    row_start = [0]
+    for chunks in boxes:
+        for off, length in chunks:
+            offsets[r, : len(off)] = torch.tensor(off, dtype=torch.int64)
+            lengths[r, : len(length)] = torch.tensor(length, dtype=torch.int64)
+            r += 1
+        row_start.append(r)
+    checksums = torch.tensor([rng.getrandbits(32) if rng.random() < 0.7 else NO_CHECKSUM for _ in range(rows)],
+                             dtype=torch.int64)
+    return ChunkTable(fqns, props, sizes, torch.tensor(row_start, dtype=torch.int64), offsets, lengths,
+                      StorageColumns(["a.distcp", "b.distcp"], torch.randint(0, 2, (rows,), dtype=torch.int32),
+                                     torch.randint(0, 1 << 33, (rows,)), torch.randint(0, 1 << 20, (rows,)),
+                                     checksums))
+
+
+@pytest.mark.parametrize("few_rows", [1, 4, 16])
+@pytest.mark.parametrize("block_rows", [3, 7, 1 << 16])
+def test_shared_parts_over_every_window_shape(monkeypatch, few_rows, block_rows):
+    """Every chunk pattern, with sharing for entries of up to 1, 4 or 16 chunks, in windows of 3,
+    7 or 65536 rows: row shapes change inside windows (groups as spans with holes and as
+    gathers), entries straddle windows; the result is stock's objects. The 4-way shards share
+    their first chunk's zero offsets when ``few_rows`` >= 4: the other rows' group then spans
+    those rows."""
+    monkeypatch.setattr(ME, "_FEW_ROWS", few_rows)
+    monkeypatch.setattr(ME, "_BLOCK_ROWS", block_rows)
+    for table in (shared_parts_table(0), shared_parts_table(1), T.sharded_table(ranks=4, entries=30)):
+        extras = planner_extras(table)
+        check_all_readers(emit(table, "i", **extras), expected(table, "i", **extras))
+
+
+def _mark_zero_offsets_whole(codes):
+    """Mutation: a chunk with zero offsets is taken for a whole-tensor chunk."""
+    def wrong(self, start, end, *, storage):
+        c = codes(self, start, end, storage=storage)
+        if storage or isinstance(c, int):
+            return c
+        return torch.where((c & ME._ZERO) != 0, c | ME._WHOLE, c)
+    return wrong
+
+
+def _properties_by_dtype(push):
+    """Mutation: TensorProperties told apart by their dtype alone."""
+    seen: dict = {}
+
+    def wrong(self, props):
+        return push(self, seen.setdefault(props.dtype, props))
+    return wrong
+
+
+def _sizes_by_ndim(push):
+    """Mutation: torch.Size values told apart by their length alone."""
+    def wrong(self, key, memoise=True):
+        first = next((k for k in self.sizes if len(k) == len(key)), key)
+        return push(self, first, memoise)
+    return wrong
+
+
+def _memo_one_short(pickled):
+    """Mutation: the pickler's memo lags the stream's by one entry."""
+    def wrong(self, obj):
+        self.memo_objects.append(None)
+        try:
+            return pickled(self, obj)
+        finally:
+            self.memo_objects.pop()
+    return wrong
+
+
+@pytest.mark.parametrize("mutation", ["zero_is_whole", "props_by_dtype", "sizes_by_ndim", "memo_one_short"])
+def test_wrong_sharing_is_caught(monkeypatch, mutation):
+    """The checks above fail on an emitter that shares what is not equal (so the tables do
+    exercise each rule, and equality is checked object by object)."""
+    target, make = {
+        "zero_is_whole": ((ME._WindowRows, "codes"), _mark_zero_offsets_whole),
+        "props_by_dtype": ((ME._Shared, "push_properties"), _properties_by_dtype),
+        "sizes_by_ndim": ((ME._Shared, "push_size"), _sizes_by_ndim),
+        "memo_one_short": ((ME._Stream, "pickled"), _memo_one_short),
+    }[mutation]
+    monkeypatch.setattr(*target, make(getattr(*target)))
+    table = shared_parts_table(0)
+    extras = planner_extras(table)
+    with pytest.raises((AssertionError, pickle.UnpicklingError)):
+        check_all_readers(emit(table, **extras), expected(table, **extras))

@@ -1,0 +1,816 @@
+"""Planning at thousands of ranks (`plan_scale`): every coordinator and per-rank step of DCP's
+save and load protocol for N simulated ranks in one process, stock against fastdcp.
+
+What is simulated: rank ``r`` of an FSDP2 job of N ranks holding a Llama-7B-shaped model with
+AdamW state (fastdcp/bench/simulated_ranks.py: ``get_state_dict``'s ``{"model", "optim"}``,
+~1,190 entries per rank, every tensor a ``Shard(0)`` DTensor on a ``fake`` process group
+re-initialised as rank ``r``). The steps are those of torch's ``_save_state_dict`` /
+``_load_state_dict`` with ``use_collectives=True``, called on the systems' public classes,
+collectives replaced by what they do to the data (``gather_object``: ``pickle.dumps`` on each
+rank, ``pickle.loads`` of all N on the coordinator; ``scatter_object_list`` the reverse;
+``broadcast_object_list``: pickled once, unpickled by every rank):
+
+* save (first): per rank ``set_up_planner``, ``set_up_storage_writer``, ``create_local_plan``,
+  ``prepare_local_plan``, pickle; coordinator: unpickle N, ``create_global_plan``,
+  ``prepare_global_plan``, pickle N; per rank: unpickle, ``finish_plan``, the write results
+  (what ``write_data`` returns, without I/O: :func:`simulated_ranks.write_results`; for fastdcp
+  passed through ``fastdcp.save.results.pack_write_results``, as ``FastFileSystemWriter`` returns
+  them), pickled; coordinator: unpickle N, ``finish`` with the real writer into a real directory
+  (the data files the results name exist, sparse), then the ``.metadata`` DCP broadcasts back
+  (``all_reduce`` returns ``finish``'s metadata to every rank);
+* save (repeat): the same protocol again with new planner and writer objects and a new state dict
+  of the same structure, into another directory, up to ``finish_plan``;
+* load: a rank's first ``read_metadata`` in its process (fastdcp's metadata cache cleared), then
+  for the same sharding (N ranks) and resharded to N/2 ranks: per rank ``set_up_planner``,
+  ``set_up_storage_reader``, ``create_local_plan``, ``prepare_local_plan``, pickle; coordinator:
+  unpickle, ``create_global_plan``, ``prepare_global_plan``, pickle; per rank: unpickle,
+  ``finish_plan``.
+
+Systems: ``stock`` (DefaultSavePlanner/DefaultLoadPlanner, FileSystemWriter/FileSystemReader) and
+``fastdcp`` (FastSavePlanner/FastLoadPlanner, FastFileSystemWriter/FastFileSystemReader).
+
+Separate processes: every simulated rank's steps run inside
+``fastdcp.planners.plan_cache.simulated_process(state)``, so one rank's planner memory (plan
+caches, the plans it sent, pickled and unpickled blobs) never serves another. The coordinator
+(rank 0) keeps one state through the save and its repeat, and so do the measured sample ranks
+(:func:`simulated_ranks.sample_ranks`: 0, 1, N/2, N-1). Every other rank's state lives from its
+local plan until it has received its global plan (fastdcp's global plan refers to what that
+process sent), reported its writes and made its repeat's local plan (warm, as its process would),
+and is dropped then: all N states exist at once only between the first local plans and the
+coordinator's scatter (systems whose planners keep nothing per process, stock, keep none). A
+load is a new job: fresh states.
+
+Shortcuts, each stated in the table where it applies:
+
+* rank-side steps are timed on the sample ranks (the table shows the slowest); the others run
+  untimed, only to produce what the coordinator receives;
+* every rank reads the same ``.metadata``: it is read once, by a fresh rank process (timed),
+  and that reader object (set up by each rank in turn, the coordinator last) serves all ranks;
+* when building every rank's local load plan with the system's planner would take longer than
+  ``--plan-budget`` seconds (estimated from the sample ranks), the other ranks' plans are built by
+  :func:`simulated_ranks.reference_read_items` (stock's items, found by bisection) and checked
+  equal to the planner's on every sample rank;
+* stock's global save plan validation is O(N^2) per tensor at this layout (about 30 min at
+  4,096 ranks): above ``EXACT_VALIDATION_MAX_RANKS`` it is timed on one entry per chunk layout
+  and extrapolated (:func:`simulated_ranks.estimate_validation`), and added to
+  ``create_global_plan``.
+
+Memory: per step, the peak resident memory above the RSS before it (VmHWM after a reset, heap
+trimmed first: :class:`_StepPeak`); for coordinator steps also what the step left held. The coordinator's peak
+per phase is estimated as the largest (memory held by its earlier steps of the phase + the step's
+peak + the bytes it received for the step).
+
+Checks (a failure raises VerificationError at the end of the scenario): the reference read plans
+equal the planner's on the sample ranks; at N <= ``VERIFY_METADATA_MAX_RANKS`` fastdcp's
+``.metadata`` unpickles with plain ``pickle`` to the same ``state_dict_metadata`` as stock's; the
+load plans of both systems are equal on rank 1. fastdcp/bench/plan_scale_report.py makes the
+table, the growth exponents, the issue's bars and the JSON.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import inspect
+import math
+import os
+import pickle
+import shutil
+import time
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .host_peak import HostPeak, _status_kib
+from .simulated_ranks import (
+    LLAMA_7B,
+    ChunkLayout,
+    ModelShape,
+    SimulatedRanks,
+    create_sparse_files,
+    deferred_stock_validation,
+    estimate_validation,
+    reference_read_items,
+    sample_ranks,
+    tensor_blob_overhead,
+    write_results,
+)
+from .state import VerificationError
+
+SCENARIO = "plan_scale"
+GROUP = "plan_scale"
+SYSTEMS = ("stock", "fastdcp")
+FULL_RANKS = (256, 1024, 4096)
+QUICK_RANKS = (8, 32)
+DEFAULT_BUILD_BUDGET_S = 600.0
+EXACT_VALIDATION_MAX_RANKS = 256
+VERIFY_METADATA_MAX_RANKS = 256
+
+# Phases and sides of a step.
+SAVE, REPEAT, READ, LOAD_SAME, LOAD_HALF = "save", "repeat", "read", "load_same", "load_half"
+RANK, COORDINATOR = "rank", "coordinator"
+PHASES = (SAVE, REPEAT, READ, LOAD_SAME, LOAD_HALF)
+
+# Step names, in protocol order (the report keeps this order).
+SET_UP_PLANNER = "set_up_planner"
+SET_UP_WRITER = "set_up_storage_writer"
+SET_UP_READER = "set_up_storage_reader"
+LOCAL_PLAN = "create_local_plan"
+PREPARE_LOCAL = "prepare_local_plan"
+GATHER_SEND = "gather: send (pickle)"
+GATHER_RECEIVE = "gather: receive (unpickle N)"
+GLOBAL_PLAN = "create_global_plan"
+VALIDATION_ESTIMATE = "create_global_plan: of which stock's validation (estimated)"
+PREPARE_GLOBAL = "prepare_global_plan"
+SCATTER_SEND = "scatter: send (pickle N)"
+SCATTER_RECEIVE = "scatter: receive (unpickle)"
+FINISH_PLAN = "finish_plan"
+RESULTS_SEND = "write results: send (pack + pickle)"
+RESULTS_RECEIVE = "write results: receive (unpickle N)"
+FINISH = "finish"
+BROADCAST_SEND = "metadata broadcast: send (pickle)"
+BROADCAST_RECEIVE = "metadata broadcast: receive (unpickle)"
+READ_METADATA = "read_metadata (first in the process)"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSystem:
+    """One side of the comparison: its planners, storage classes and write-result packing."""
+
+    name: str
+    save_planner: Callable[[], Any]
+    load_planner: Callable[[], Any]
+    writer: Callable[[str], Any]
+    reader: Callable[[str], Any]
+    pack_results: Callable[[SavePlan, list[WriteResult]], Any]
+    description: dict[str, str]
+    # Whether the planners remember anything per process (fastdcp.planners.plan_cache): only then
+    # is an unmeasured rank's process state kept from its local plan until it got its global plan.
+    process_memory: bool = True
+    # Whether its save planner runs stock's O(N^2) global plan validation, which is then
+    # estimated above EXACT_VALIDATION_MAX_RANKS (simulated_ranks.estimate_validation).
+    defers_stock_validation: bool = False
+
+
+def stock_system() -> PlanSystem:
+    return PlanSystem(
+        "stock", DefaultSavePlanner, DefaultLoadPlanner, FileSystemWriter, FileSystemReader,
+        lambda plan, results: results,
+        {"planners": "DefaultSavePlanner / DefaultLoadPlanner", "storage": "FileSystemWriter / FileSystemReader"},
+        process_memory=False, defers_stock_validation=True)
+
+
+def fastdcp_system() -> PlanSystem:
+    import fastdcp
+    from fastdcp.save.results import pack_write_results
+
+    return PlanSystem(
+        "fastdcp", fastdcp.FastSavePlanner, fastdcp.FastLoadPlanner, fastdcp.FastFileSystemWriter,
+        fastdcp.FastFileSystemReader, pack_write_results,
+        {"planners": "FastSavePlanner / FastLoadPlanner", "storage": "FastFileSystemWriter / FastFileSystemReader"})
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One measured step of one simulated process."""
+
+    phase: str
+    side: str
+    step: str
+    seconds: float
+    peak_bytes: int | None          # resident memory above the RSS before the step, at its peak
+    held_bytes: int | None = None   # RSS after the step - RSS before (coordinator and read steps)
+    received_bytes: int = 0         # bytes the step received from other processes (collectives)
+    rank: int | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class SimulationOutcome:
+    """What one system's simulation at one N measured and produced."""
+
+    system: str
+    ranks: int
+    records: list[StepRecord]
+    info: dict[str, Any]
+    notes: list[str]
+    checks: list[Check]
+    metadata_file: str                                   # the first save's .metadata
+    load_plans: dict[tuple[str, int], list[Any]]         # (phase, rank) -> items, for cross-checks
+
+
+def _process_state() -> Any:
+    from fastdcp.planners.plan_cache import PlanProcessState
+
+    return PlanProcessState()
+
+
+def _simulated(state: Any) -> Any:
+    from fastdcp.planners.plan_cache import simulated_process
+
+    return simulated_process(state)
+
+
+def _clear_metadata_cache() -> None:
+    from fastdcp.load.metadata_cache import clear_metadata_cache
+
+    clear_metadata_cache()
+
+
+class _StepPeak(HostPeak):
+    """``HostPeak`` for the simulation's ~150 short steps: :meth:`start` trims the heap and resets
+    VmHWM as HostPeak's does, but without HostPeak's full garbage collection first (0.2 s at small
+    N, seconds at large N, per step; the simulation collects garbage itself between phases).
+    Where the reset is refused, HostPeak's own start (collection and sampling thread) is used."""
+
+    def start(self) -> None:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        self.start_bytes = (_status_kib("VmRSS") or 0) * 1024
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method = "VmHWM"
+        except OSError:
+            super().start()
+
+
+def _started_meter() -> HostPeak:
+    meter = _StepPeak()
+    meter.start()
+    return meter
+
+
+def _takes_kwargs(method: Callable[..., Any]) -> bool:
+    # DCP passes rank= and use_collectives= only to set-up methods that accept **kwargs.
+    return "kwargs" in inspect.signature(method).parameters
+
+
+class PlanScaleSimulation:
+    """One system's save (first and repeat) and load (same sharding and N/2) at ``world_size``
+    simulated ranks, into ``directory`` (created; the caller removes it). :meth:`run` returns the
+    :class:`SimulationOutcome`. Precondition: no default process group exists."""
+
+    def __init__(self, system: PlanSystem, world_size: int, directory: str, *, shape: ModelShape = LLAMA_7B,
+                 build_budget_s: float = DEFAULT_BUILD_BUDGET_S,
+                 exact_validation_max_ranks: int = EXACT_VALIDATION_MAX_RANKS,
+                 progress: Callable[[str], None] | None = None) -> None:
+        if world_size < 2:
+            raise ValueError(f"plan_scale needs at least 2 ranks, got {world_size}")
+        self.system = system
+        self.world_size = world_size
+        self.directory = directory
+        self.shape = shape
+        self.build_budget_s = build_budget_s
+        self.exact_validation = world_size <= exact_validation_max_ranks
+        self.progress = progress or (lambda message: None)
+        self.records: list[StepRecord] = []
+        self.notes: list[str] = []
+        self.checks: list[Check] = []
+        self.info: dict[str, Any] = {}
+        self.load_plans: dict[tuple[str, int], list[Any]] = {}
+        self.checkpoint = os.path.join(directory, "save")
+        self.repeat_checkpoint = os.path.join(directory, "repeat")
+        self.blob_overhead = tensor_blob_overhead()
+
+    # ------------------------------------------------------------------ measuring
+
+    def _step(self, phase: str, side: str, name: str, fn: Callable[[], Any], *, rank: int | None = None,
+              received_bytes: int = 0) -> Any:
+        """Run ``fn`` as one measured step: wall time, peak memory above the RSS before it, and
+        for coordinator and read steps the memory it left held."""
+        meter = _started_meter()
+        started = time.perf_counter()
+        value = fn()
+        seconds = time.perf_counter() - started
+        peak = max(0, meter.stop() - meter.start_bytes)
+        held = None
+        if side == COORDINATOR or phase == READ:
+            held = _started_meter().start_bytes - meter.start_bytes
+        self.records.append(StepRecord(phase, side, name, seconds, peak, held, received_bytes, rank))
+        return value
+
+    def _rank_step(self, phase: str | None, name: str, fn: Callable[[], Any], rank: int) -> Any:
+        """A rank-side step: measured when ``phase`` is given (a sample rank), else just run."""
+        return self._step(phase, RANK, name, fn, rank=rank) if phase else fn()
+
+    def _tell(self, message: str) -> None:
+        self.progress(f"{SCENARIO} N={self.world_size} {self.system.name}: {message}")
+
+    # ------------------------------------------------------------------ save
+
+    def _local_save(self, state_dict: dict[str, Any], rank: int, path: str, phase: str | None) -> tuple[Any, Any, bytes]:
+        """One rank's local step of a save and its pickled plan (DCP's ``local_step`` and the
+        sending side of ``gather_object``); measured when ``phase`` is given."""
+        planner, writer = self.system.save_planner(), self.system.writer(path)
+        coordinator = rank == 0
+
+        def set_up_planner() -> None:
+            storage_meta = writer.storage_meta()
+            planner.set_up_planner(state_dict=state_dict, storage_meta=storage_meta, is_coordinator=coordinator)
+
+        def set_up_writer() -> None:
+            if _takes_kwargs(writer.set_up_storage_writer):
+                writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+            else:
+                writer.set_up_storage_writer(coordinator)
+
+        self._rank_step(phase, SET_UP_PLANNER, set_up_planner, rank)
+        self._rank_step(phase, SET_UP_WRITER, set_up_writer, rank)
+        plan = self._rank_step(phase, LOCAL_PLAN, planner.create_local_plan, rank)
+        prepared = self._rank_step(phase, PREPARE_LOCAL, lambda: writer.prepare_local_plan(plan), rank)
+        blob = self._rank_step(phase, GATHER_SEND, lambda: pickle.dumps(prepared), rank)
+        return planner, writer, blob
+
+    def _coordinator_round(self, phase: str, blobs: list[bytes | None], create_global: Callable[[list[Any]], list[Any]],
+                           prepare_global: Callable[[list[Any]], list[Any]]) -> list[bytes]:
+        """The coordinator's part of DCP's ``reduce_scatter``: unpickle every rank's plan,
+        ``create_global`` (the planner's), ``prepare_global`` (the storage layer's), pickle every
+        rank's global plan. ``blobs`` is emptied (the received buffers are freed); the gathered
+        plans are dropped after the scatter, as ``reduce_scatter`` drops them when it returns."""
+        received = sum(len(b) for b in blobs if b is not None)
+        holder: dict[str, Any] = {}
+
+        def gather() -> None:
+            holder["plans"] = [pickle.loads(b) for b in blobs]
+            blobs.clear()
+
+        def scatter() -> list[bytes]:
+            out = [pickle.dumps(plan) for plan in holder["global"]]
+            holder.clear()
+            return out
+
+        self._step(phase, COORDINATOR, GATHER_RECEIVE, gather, received_bytes=received)
+        self._step(phase, COORDINATOR, GLOBAL_PLAN, lambda: holder.__setitem__("global", create_global(holder["plans"])))
+        self._step(phase, COORDINATOR, PREPARE_GLOBAL,
+                   lambda: holder.__setitem__("global", prepare_global(holder["global"])))
+        return self._step(phase, COORDINATOR, SCATTER_SEND, scatter)
+
+    def _coordinator_plan(self, phase: str, planner: Any, writer: Any, blobs: list[bytes | None]
+                          ) -> tuple[list[bytes], Metadata]:
+        """The coordinator's global step of a save (:meth:`_coordinator_round`): the pickled
+        global plans and the global metadata. Stock's validation is estimated above
+        ``exact_validation_max_ranks`` (:meth:`_add_validation_estimate`)."""
+        out: dict[str, Any] = {}
+
+        def create_global(plans: list[Any]) -> list[Any]:
+            if self.exact_validation or not self.system.defers_stock_validation:
+                global_plans, out["metadata"] = planner.create_global_plan(plans)
+                return global_plans
+            with deferred_stock_validation() as captured:
+                global_plans, out["metadata"] = planner.create_global_plan(plans)
+            out["validation"] = captured
+            return global_plans
+
+        scattered = self._coordinator_round(phase, blobs, create_global, writer.prepare_global_plan)
+        if "validation" in out:
+            self._add_validation_estimate(phase, out["validation"])
+        return scattered, out["metadata"]
+
+    def _add_validation_estimate(self, phase: str, captured: list[tuple[list[SavePlan], Metadata]]) -> None:
+        """Time stock's deferred validation on a sample (:func:`estimate_validation`), add the
+        estimate to the phase's create_global_plan step and record it below that step."""
+        if len(captured) != 1:
+            raise RuntimeError(f"expected one deferred validation call, got {len(captured)}")
+        estimate = estimate_validation(*captured[0])
+        if estimate.errors:
+            self.checks.append(Check(f"{phase}: stock's validation of the sampled entries", False,
+                                     f"{estimate.errors} errors"))
+        at = max(i for i, r in enumerate(self.records) if r.phase == phase and r.step == GLOBAL_PLAN)
+        record = self.records[at]
+        record.seconds += estimate.seconds
+        record.note = f"incl. stock's validation {estimate.describe()}"
+        self.records.insert(at + 1, StepRecord(phase, COORDINATOR, VALIDATION_ESTIMATE, estimate.seconds, None,
+                                               note=estimate.describe()))
+
+    def _receive(self, phase: str, states: dict[int, Any], planners: dict[int, Any], scattered: list[bytes]) -> None:
+        """The sample ranks' side of the scatter: unpickle their global plan, ``finish_plan``."""
+        for r, state in states.items():
+            planner, blob = planners[r], scattered[r]
+            with _simulated(state):
+                central = self._step(phase, RANK, SCATTER_RECEIVE, lambda: pickle.loads(blob), rank=r)
+                self._step(phase, RANK, FINISH_PLAN, lambda: planner.finish_plan(central), rank=r)
+
+    def _save(self) -> None:
+        """The first save and its repeat, every rank (see the module docstring)."""
+        n = self.world_size
+        samples = sample_ranks(n)
+        ranks = SimulatedRanks(self.shape, n)
+        try:
+            self.info["items_per_rank"] = ranks.items_per_rank
+            coordinator_state = _process_state()
+            states = {r: coordinator_state if r == 0 else _process_state() for r in samples}
+            kept, others, blobs = self._first_local_plans(ranks, states)
+            self.info["local_plan_bytes"] = sum(len(b) for b in blobs if b is not None)
+
+            self._tell("save: coordinator plans")
+            gc.collect()
+            planner0, writer0 = kept[0]
+            with _simulated(coordinator_state):
+                scattered, metadata = self._coordinator_plan(SAVE, planner0, writer0, blobs)
+            self.info["global_plan_bytes"] = sum(len(b) for b in scattered)
+
+            self._tell("save: ranks finish their plans and report their writes; the repeat's local plans")
+            result_blobs, repeat_blobs = self._rest_of_ranks(ranks, states, kept, others, scattered)
+
+            self._tell("save: coordinator commits")
+            gc.collect()
+            self._commit(coordinator_state, writer0, metadata, result_blobs, samples[1], states[samples[1]])
+            kept.clear()
+            planner0 = writer0 = metadata = None
+            gc.collect()
+
+            self._tell("repeat save")
+            self._repeat(ranks, states, repeat_blobs)
+        finally:
+            ranks.close()
+            shutil.rmtree(self.repeat_checkpoint, ignore_errors=True)
+        gc.collect()
+
+    def _first_local_plans(self, ranks: SimulatedRanks, states: dict[int, Any]
+                           ) -> tuple[dict[int, tuple[Any, Any]], dict[int, Any], list[bytes | None]]:
+        """Every rank's local plan of the first save, pickled: (the sample ranks' planner and
+        writer, the other ranks' process states where the system keeps any, the pickled plans).
+        Every rank's process state lives until it has received its global plan (fastdcp's global
+        plan refers to what that process sent)."""
+        self._tell(f"save: {ranks.world_size} local plans")
+        kept: dict[int, tuple[Any, Any]] = {}
+        others: dict[int, Any] = {}
+        blobs: list[bytes | None] = [None] * ranks.world_size
+        for r in range(ranks.world_size):
+            state_dict = ranks.state_dict(r)
+            measured = r in states
+            state = states[r] if measured else _process_state()
+            with _simulated(state):
+                planner, writer, blobs[r] = self._local_save(state_dict, r, self.checkpoint, SAVE if measured else None)
+            if measured:
+                kept[r] = (planner, writer)
+            elif self.system.process_memory:
+                others[r] = state
+        return kept, others, blobs
+
+    def _rest_of_ranks(self, ranks: SimulatedRanks, states: dict[int, Any], kept: dict[int, tuple[Any, Any]],
+                       others: dict[int, Any], scattered: list[bytes]) -> tuple[list[bytes | None], list[bytes | None]]:
+        """Every rank receives its global plan, finishes it and reports its writes (the files the
+        results name are created, sparse); the unmeasured ranks also make their repeat's local plan
+        (warm, as their process would) before their state is dropped. Returns the pickled write
+        results and the unmeasured ranks' pickled repeat plans. ``scattered`` is consumed."""
+        n = ranks.world_size
+        result_blobs: list[bytes | None] = [None] * n
+        repeat_blobs: list[bytes | None] = [None] * n
+        os.makedirs(self.checkpoint, exist_ok=True)
+        for r in range(n):
+            if r in states:
+                planner, _ = kept[r]
+                with _simulated(states[r]):
+                    blob = scattered[r]
+                    central = self._step(SAVE, RANK, SCATTER_RECEIVE, lambda: pickle.loads(blob), rank=r)
+                    final = self._step(SAVE, RANK, FINISH_PLAN, lambda: planner.finish_plan(central), rank=r)
+                    results, lengths = write_results(final, planner, self.blob_overhead)
+                    result_blobs[r] = self._step(
+                        SAVE, RANK, RESULTS_SEND, lambda: pickle.dumps(self.system.pack_results(final, results)), rank=r)
+            else:
+                with _simulated(others.pop(r) if self.system.process_memory else _process_state()):
+                    # A planner set up again for resolve_data (the first one, holding a state
+                    # dict, is not kept).
+                    planner = self.system.save_planner()
+                    planner.set_up_planner(state_dict=ranks.state_dict(r), storage_meta=None, is_coordinator=False)
+                    final = planner.finish_plan(pickle.loads(scattered[r]))
+                    results, lengths = write_results(final, planner, self.blob_overhead)
+                    result_blobs[r] = pickle.dumps(self.system.pack_results(final, results))
+                    _, _, repeat_blobs[r] = self._local_save(ranks.state_dict(r), r, self.repeat_checkpoint, None)
+            scattered[r] = b""  # received
+            create_sparse_files(self.checkpoint, lengths)
+        return result_blobs, repeat_blobs
+
+    def _commit(self, coordinator_state: Any, writer0: Any, metadata: Metadata, result_blobs: list[bytes | None],
+                receiver: int, receiver_state: Any) -> None:
+        """The coordinator gathers the write results, ``finish``es, and pickles the metadata DCP
+        broadcasts back; rank ``receiver`` unpickles it. ``result_blobs`` is consumed."""
+        received = sum(len(b) for b in result_blobs if b is not None)
+        holder: dict[str, Any] = {}
+
+        def gather_results() -> None:
+            holder["results"] = [pickle.loads(b) for b in result_blobs]
+            result_blobs.clear()
+
+        def finish() -> None:
+            writer0.finish(metadata=metadata, results=holder.pop("results"))
+
+        with _simulated(coordinator_state):
+            self._step(SAVE, COORDINATOR, RESULTS_RECEIVE, gather_results, received_bytes=received)
+            self._step(SAVE, COORDINATOR, FINISH, finish)
+            broadcast = self._step(SAVE, COORDINATOR, BROADCAST_SEND, lambda: pickle.dumps(metadata))
+        self.info["metadata_broadcast_bytes"] = len(broadcast)
+        self.info["metadata_file_bytes"] = os.path.getsize(os.path.join(self.checkpoint, ".metadata"))
+        self.info["chunks"] = sum(len(getattr(md, "chunks", ())) for md in metadata.state_dict_metadata.values())
+        with _simulated(receiver_state):
+            self._step(SAVE, RANK, BROADCAST_RECEIVE, lambda: pickle.loads(broadcast), rank=receiver,
+                       received_bytes=len(broadcast))
+
+    def _repeat(self, ranks: SimulatedRanks, states: dict[int, Any], repeat_blobs: list[bytes | None]) -> None:
+        """The repeat save on the sample ranks (new planners, writers and state dicts, the same
+        structure) and the coordinator, up to ``finish_plan``; the other ranks' plans are in
+        ``repeat_blobs`` already."""
+        kept: dict[int, Any] = {}
+        for r in states:
+            state_dict = ranks.state_dict(r)
+            with _simulated(states[r]):
+                planner, writer, repeat_blobs[r] = self._local_save(state_dict, r, self.repeat_checkpoint, REPEAT)
+            kept[r] = (planner, writer)
+        with _simulated(states[0]):
+            scattered, _ = self._coordinator_plan(REPEAT, *kept[0], repeat_blobs)
+        self._receive(REPEAT, states, {r: planner for r, (planner, _) in kept.items()}, scattered)
+
+    # ------------------------------------------------------------------ load
+
+    def _load(self) -> None:
+        _clear_metadata_cache()  # a new job: no process has read this checkpoint
+        reader = self.system.reader(self.checkpoint)
+        with _simulated(_process_state()):
+            metadata = self._step(READ, RANK, READ_METADATA, reader.read_metadata, rank=1)
+        layout = ChunkLayout(metadata)
+        for phase, world in ((LOAD_SAME, self.world_size), (LOAD_HALF, self.world_size // 2)):
+            self._load_into(phase, world, reader, metadata, layout)
+        del reader, metadata, layout
+        _clear_metadata_cache()
+        gc.collect()
+
+    def _local_load(self, phase: str | None, rank: int, state_dict: dict[str, Any], reader: Any,
+                    metadata: Metadata) -> tuple[Any, LoadPlan]:
+        """One rank's local step of a load (DCP's ``local_step`` after ``read_metadata``);
+        measured when ``phase`` is given. Returns the planner and the prepared plan."""
+        planner = self.system.load_planner()
+        coordinator = rank == 0
+
+        def set_up_reader() -> None:
+            if _takes_kwargs(reader.set_up_storage_reader):
+                reader.set_up_storage_reader(metadata, coordinator, rank=rank, use_collectives=True)
+            else:
+                reader.set_up_storage_reader(metadata, coordinator)
+
+        self._rank_step(phase, SET_UP_PLANNER, lambda: planner.set_up_planner(state_dict, metadata, coordinator), rank)
+        self._rank_step(phase, SET_UP_READER, set_up_reader, rank)
+        plan = self._rank_step(phase, LOCAL_PLAN, planner.create_local_plan, rank)
+        prepared = self._rank_step(phase, PREPARE_LOCAL, lambda: reader.prepare_local_plan(plan), rank)
+        return planner, prepared
+
+    def _reference_plan(self, state_dict: dict[str, Any], rank: int, reader: Any, metadata: Metadata,
+                        layout: ChunkLayout) -> LoadPlan:
+        """A rank's prepared local load plan with the items :func:`reference_read_items` builds
+        (stock's flattening, stock's items), prepared by the shared reader."""
+        flattening = DefaultLoadPlanner()
+        flattening.set_up_planner(state_dict, metadata, rank == 0)
+        items = reference_read_items(flattening.state_dict, metadata, layout)
+        if _takes_kwargs(reader.set_up_storage_reader):
+            reader.set_up_storage_reader(metadata, rank == 0, rank=rank, use_collectives=True)
+        else:
+            reader.set_up_storage_reader(metadata, rank == 0)
+        return reader.prepare_local_plan(LoadPlan(items))
+
+    def _load_into(self, phase: str, world: int, reader: Any, metadata: Metadata, layout: ChunkLayout) -> None:
+        """A load into ``world`` ranks: local plans (the sample ranks measured; the coordinator
+        last, so that the shared reader was set up by it last, as in its own process), the
+        coordinator's round, the sample ranks' receive."""
+        samples = sample_ranks(world)
+        ranks = SimulatedRanks(self.shape, world)
+        gc.collect()
+        try:
+            states = {r: _process_state() for r in samples}
+            planners: dict[int, Any] = {}
+            blobs: list[bytes | None] = [None] * world
+            self._tell(f"{phase}: {world} local load plans")
+            matches: dict[int, bool | None] = {}
+            for r in samples[1:]:
+                planners[r], blobs[r], matches[r] = self._sample_load(phase, ranks, r, states[r], reader, metadata,
+                                                                      layout)
+            self._other_load_plans(phase, ranks, [r for r in range(world) if r not in states], reader, metadata,
+                                   layout, blobs)
+            planners[0], blobs[0], matches[0] = self._sample_load(phase, ranks, 0, states[0], reader, metadata, layout)
+            compared = [r for r, same in matches.items() if same is not None]
+            if compared:
+                differ = [r for r in compared if not matches[r]]
+                self.checks.append(Check(
+                    f"{phase}: reference read plans = {self.system.name}'s planner's on ranks "
+                    f"{', '.join(map(str, compared))}", not differ, f"item lists differ on ranks {differ}" if differ else ""))
+
+            self._tell(f"{phase}: coordinator")
+            gc.collect()
+            with _simulated(states[0]):
+                scattered = self._coordinator_round(phase, blobs, planners[0].create_global_plan,
+                                                    reader.prepare_global_plan)
+            self._receive(phase, states, planners, scattered)
+        finally:
+            ranks.close()
+
+    def _sample_load(self, phase: str, ranks: SimulatedRanks, r: int, state: Any, reader: Any, metadata: Metadata,
+                     layout: ChunkLayout) -> tuple[Any, bytes, bool | None]:
+        """A sample rank's measured local load step: its planner, its pickled plan, and whether the
+        reference builds the same items (None when no other rank may need the reference). The
+        items are kept on rank 1 for the comparison between systems."""
+        state_dict = ranks.state_dict(r)
+        with _simulated(state):
+            planner, plan = self._local_load(phase, r, state_dict, reader, metadata)
+            blob = self._step(phase, RANK, GATHER_SEND, lambda: pickle.dumps(plan), rank=r)
+        if r == 1 or ranks.world_size == 1:
+            self.load_plans[(phase, r)] = list(plan.items)
+        same = None
+        if ranks.world_size > len(sample_ranks(ranks.world_size)):
+            same = list(self._reference_plan(state_dict, r, reader, metadata, layout).items) == list(plan.items)
+        return planner, blob, same
+
+    def _other_load_plans(self, phase: str, ranks: SimulatedRanks, others: list[int], reader: Any,
+                          metadata: Metadata, layout: ChunkLayout, blobs: list[bytes | None]) -> None:
+        """The unmeasured ranks' pickled local load plans, into ``blobs``: by the system's planner,
+        or by the reference when that would take longer than the budget (estimated from the
+        sample ranks measured so far)."""
+        measured = [rec.seconds for rec in self.records
+                    if rec.phase == phase and rec.side == RANK and rec.step in (SET_UP_PLANNER, SET_UP_READER, LOCAL_PLAN,
+                                                                                 PREPARE_LOCAL)]
+        sampled = len({rec.rank for rec in self.records if rec.phase == phase and rec.side == RANK})
+        per_rank = sum(measured) / max(1, sampled)
+        use_reference = bool(others) and per_rank * len(others) > self.build_budget_s
+        self.info[f"{phase}_reference_plans"] = len(others) if use_reference else 0
+        if use_reference:
+            self.notes.append(
+                f"{phase}: {len(others)} of {ranks.world_size} local load plans built by the reference (stock's items "
+                f"by bisection, checked equal on the sample ranks), not by {self.system.name}'s planner: "
+                f"{per_rank:.2f} s a rank x {len(others)} ranks > budget {self.build_budget_s:.0f} s")
+        for r in others:
+            state_dict = ranks.state_dict(r)
+            with _simulated(_process_state()):
+                if use_reference:
+                    plan = self._reference_plan(state_dict, r, reader, metadata, layout)
+                else:
+                    plan = self._local_load(None, r, state_dict, reader, metadata)[1]
+                blobs[r] = pickle.dumps(plan)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> SimulationOutcome:
+        os.makedirs(self.directory, exist_ok=True)
+        self._save()
+        self._load()
+        return SimulationOutcome(
+            system=self.system.name, ranks=self.world_size, records=self.records, info=self.info,
+            notes=self.notes, checks=self.checks, metadata_file=os.path.join(self.checkpoint, ".metadata"),
+            load_plans=self.load_plans)
+
+
+# --------------------------------------------------------------------------- the scenario
+
+
+def _systems(ctx: Any) -> list[PlanSystem]:
+    """stock when --systems has it; fastdcp when it has any fastdcp system that is not a stand-in."""
+    systems = []
+    if any(s.name == "stock" for s in ctx.systems):
+        systems.append(stock_system())
+    fast = [s for s in ctx.systems if s.name.startswith("fastdcp")]
+    if fast and not any(s.standin for s in fast):
+        systems.append(fastdcp_system())
+    elif fast:
+        ctx.note(f"{SCENARIO}: fastdcp not measured: it is a stand-in")
+    return systems
+
+
+def _metadata_estimate(ranks: int, items_per_rank: int) -> int:
+    # ~150 bytes of pickled .metadata per chunk (stock's), every entry chunked over all ranks.
+    return 150 * ranks * items_per_rank
+
+
+def _target(ctx: Any, wheres: list[str], ranks: int, copies: int) -> tuple[str, str]:
+    """(where, root): /dev/shm when it is a target and has room for the .metadata files, else the disk."""
+    need = 2 * copies * _metadata_estimate(ranks, 1200)
+    for where in ("shm", "dir"):
+        if where in wheres and where in ctx.targets:
+            root = ctx.targets[where]
+            if where == "dir" or shutil.disk_usage(root).free > need:
+                return where, root
+    where = next(iter(ctx.targets))
+    return where, ctx.targets[where]
+
+
+def _record(ctx: Any, where: str, system: PlanSystem, outcome: SimulationOutcome) -> None:
+    n = outcome.ranks
+    for rec in outcome.records:
+        ctx.recorder.add(SCENARIO, where, system.name,
+                         {"ranks": n, "phase": rec.phase, "side": rec.side, "step": rec.step},
+                         0, rec.seconds, None, system.description, peak_bytes=rec.peak_bytes,
+                         held_bytes=rec.held_bytes, received_bytes=rec.received_bytes, rank=rec.rank,
+                         note=rec.note)
+    ctx.recorder.add(SCENARIO, where, system.name, {"ranks": n, "phase": "info", "side": "-", "step": "info"},
+                     0, 0.0, None, system.description, info=outcome.info, notes=outcome.notes)
+    for note in outcome.notes:
+        ctx.note(f"{SCENARIO} N={n} {system.name}: {note}")
+
+
+def _record_check(ctx: Any, where: str, ranks: int, check: Check) -> None:
+    ctx.recorder.add(SCENARIO, where, "checks", {"ranks": ranks, "phase": "check", "side": "-", "step": check.name},
+                     0, 0.0, None, passed=check.passed, detail=check.detail)
+
+
+def cross_checks(outcomes: dict[str, SimulationOutcome], verify_metadata: bool) -> list[Check]:
+    """Checks between the systems' outcomes at one N: the same ``state_dict_metadata`` (when
+    ``verify_metadata``; each ``.metadata`` unpickled with plain ``pickle``) and equal load plans on
+    the ranks both kept."""
+    checks: list[Check] = []
+    stock, fast = outcomes.get("stock"), outcomes.get("fastdcp")
+    if stock is None or fast is None:
+        return checks
+    if verify_metadata:
+        with open(stock.metadata_file, "rb") as f:
+            stock_md = pickle.load(f)
+        with open(fast.metadata_file, "rb") as f:
+            fast_md = pickle.load(f)
+        same = stock_md.state_dict_metadata == fast_md.state_dict_metadata
+        checks.append(Check("fastdcp's .metadata (plain pickle) = stock's: state_dict_metadata", same,
+                            "" if same else _first_difference(stock_md.state_dict_metadata, fast_md.state_dict_metadata)))
+        del stock_md, fast_md
+    for key in sorted(set(stock.load_plans) & set(fast.load_plans)):
+        same = stock.load_plans[key] == fast.load_plans[key]
+        checks.append(Check(f"{key[0]}: fastdcp's local load plan = stock's on rank {key[1]}", same,
+                            "" if same else f"{len(fast.load_plans[key])} vs {len(stock.load_plans[key])} items, or items differ"))
+    return checks
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    if list(a) != list(b):
+        return f"entries differ: {len(a)} vs {len(b)} (first: {sorted(set(a) ^ set(b))[:3]} or order)"
+    for key in a:
+        if a[key] != b[key]:
+            return f"entry {key!r} differs"
+    return "?"
+
+
+def run_plan_scale(ctx: Any, wheres: list[str]) -> None:
+    """The `plan_scale` scenario: for each N of ``--plan-ranks`` (ascending), stock then fastdcp,
+    each simulated in full (:class:`PlanScaleSimulation`) into a directory of their own on
+    /dev/shm when it has room; one Recorder row per (system, N, phase, side, step) with one sample
+    per measured rank, an info row per (system, N), a row per check. Raises VerificationError at
+    the end when a check failed."""
+    systems = _systems(ctx)
+    if not systems:
+        ctx.note(f"{SCENARIO}: no system to measure (it runs stock and fastdcp)")
+        return
+    if dist.is_initialized():
+        ctx.note(f"{SCENARIO}: not run: a default process group exists (the simulated ranks need their own)")
+        return
+    failed: list[str] = []
+    for n in sorted(set(ctx.cfg.plan_ranks)):
+        where, root = _target(ctx, wheres, n, len(systems))
+        base = os.path.join(root, GROUP, f"n{n}")
+        outcomes: dict[str, SimulationOutcome] = {}
+        try:
+            for system in systems:
+                started = time.perf_counter()
+                sim = PlanScaleSimulation(system, n, os.path.join(base, system.name),
+                                          build_budget_s=ctx.cfg.plan_budget_s, progress=ctx.progress)
+                outcome = sim.run()
+                outcome.info["simulation_seconds"] = time.perf_counter() - started
+                outcome.info["where"] = where
+                _record(ctx, where, system, outcome)
+                outcomes[system.name] = outcome
+                for check in outcome.checks:
+                    _record_check(ctx, where, n, check)
+                    if not check.passed:
+                        failed.append(f"N={n} {system.name}: {check.name}: {check.detail}")
+                if n > VERIFY_METADATA_MAX_RANKS and system.name == "stock":
+                    shutil.rmtree(os.path.join(base, system.name), ignore_errors=True)
+            for check in cross_checks(outcomes, n <= VERIFY_METADATA_MAX_RANKS):
+                _record_check(ctx, where, n, check)
+                if not check.passed:
+                    failed.append(f"N={n}: {check.name}: {check.detail}")
+        finally:
+            outcomes.clear()
+            shutil.rmtree(base, ignore_errors=True)
+            gc.collect()
+    if failed:
+        raise VerificationError(f"{SCENARIO}: " + "; ".join(failed))
+
+
+def growth_exponent(t1: float | None, t2: float | None, n1: int, n2: int) -> float | None:
+    """How a step's time grows with N between two runs: log(t2/t1) / log(n2/n1) (1: linear,
+    2: quadratic). None when a time is missing or not positive, or n1 == n2."""
+    if not t1 or not t2 or t1 <= 0 or t2 <= 0 or n1 == n2:
+        return None
+    return math.log(t2 / t1) / math.log(n2 / n1)
+
+
+def n_log_n_exponent(n1: int, n2: int) -> float:
+    """The growth exponent of N log N between n1 and n2 (the bar for the coordinator's growth)."""
+    return math.log((n2 * math.log(n2)) / (n1 * math.log(n1))) / math.log(n2 / n1)
