@@ -62,7 +62,11 @@ _SDM = "_table_state_dict_metadata"
 _SD = "_table_storage_data"
 _LOOKUP = "_table_lookup"
 _ENTRIES = "_table_entries"
-_INTERNAL = frozenset({_TABLE, _SDM, _SD, _LOOKUP, _ENTRIES})
+# How this metadata pickles instead of as a stock Metadata, while its table still answers for it
+# (set by the writer once the checkpoint is committed: DCP then broadcasts the metadata to every
+# rank, which can read it back from the committed chunk index instead of receiving it whole).
+_SENT_AS = "_table_sent_as"
+_INTERNAL = frozenset({_TABLE, _SDM, _SD, _LOOKUP, _ENTRIES, _SENT_AS})
 _FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
 
 
@@ -461,7 +465,15 @@ class TableMetadata(Metadata):
 
     __hash__ = None  # type: ignore[assignment]  # as Metadata: mutable, compared by value
 
+    def send_as(self, reduced: tuple[Any, ...]) -> None:
+        """Pickle as ``reduced`` (a ``__reduce__`` tuple) from now on, as long as nothing assigns
+        ``storage_data``: the writer's compact form for a committed checkpoint."""
+        self.__dict__[_SENT_AS] = reduced
+
     def __reduce_ex__(self, protocol: Any) -> Any:
+        sent_as = self.__dict__.get(_SENT_AS)
+        if sent_as is not None and self.table_answers_storage():
+            return sent_as
         # A stock Metadata (readers without fastdcp unpickle it): ``Metadata(*fields)``, then any
         # other attribute set on this one. (Not NEWOBJ: pickle insists its class be type(self).)
         extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL and k not in _FIELDS}

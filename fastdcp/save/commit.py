@@ -160,6 +160,8 @@ class CommittedMetadata:
     name: str
     identity: tuple[int, int]  # (st_dev, st_ino) of the renamed file
     files: frozenset[str]
+    # The chunk index committed with it: (name, metadata size, head CRC-32C, tail CRC-32C).
+    chunk_index: tuple[str, int, int, int] | None = None
 
 
 def _interfered(directory: str, what: str) -> ConcurrentSaveError:
@@ -190,6 +192,7 @@ def commit_metadata(
     final_path = os.path.join(directory, metadata_name)
     tokens = _tokens_of(new_files) | {token}
     committed = False
+    chunk_index = None
     try:
         if sync:
             _fsync_directory(directory)  # the data files' entries, before anything names them
@@ -197,7 +200,8 @@ def commit_metadata(
         if table is not None and table.storage is not None:
             index_name = f"{metadata_name}.{token}.index"
             new_files = new_files | {index_name}
-            st = _write_table_metadata(directory, tmp_path, index_name, metadata, sync, io_options)
+            st, index_facts = _write_table_metadata(directory, tmp_path, index_name, metadata, sync, io_options)
+            chunk_index = (index_name, *index_facts)
         else:
             with open(tmp_path, "wb") as f, gc_paused():
                 pickle.dump(metadata, f)
@@ -232,18 +236,19 @@ def commit_metadata(
     for owned in tokens:  # after the rename: see the module docstring for why not before
         inflight.release(directory, owned)
     logger.debug("committed %s in %s (%d data files)", metadata_name, directory, len(new_files))
-    return CommittedMetadata(metadata_name, (st.st_dev, st.st_ino), frozenset(new_files))
+    return CommittedMetadata(metadata_name, (st.st_dev, st.st_ino), frozenset(new_files), chunk_index)
 
 
 def _write_table_metadata(directory: str, tmp_path: str, index_name: str, metadata: Metadata, sync: bool,
-                          io_options: IoOptions | None) -> os.stat_result:
+                          io_options: IoOptions | None) -> tuple[os.stat_result, tuple[int, int, int]]:
     """Write a metadata planned in bulk (its ``chunk_table`` has storage columns): the stock-format
     pickle streamed from the columns to ``tmp_path``, then the chunk index ``index_name`` that
     records the metadata file's size and the CRC-32C of its two ends (so a reader can tell that
-    the index belongs to the ``.metadata`` it found). Returns the metadata file's stat."""
+    the index belongs to the ``.metadata`` it found). Returns the metadata file's stat and those
+    facts (size, head CRC, tail CRC)."""
     table = metadata.chunk_table
     facts = dict(planner_data=metadata.planner_data, storage_meta=metadata.storage_meta, version=metadata.version)
-    with open(tmp_path, "w+b") as f:
+    with open(tmp_path, "w+b") as f, gc_paused():
         write_metadata(f, table, chunk_index_name=index_name, **facts)
         f.flush()
         if sync:
@@ -262,7 +267,7 @@ def _write_table_metadata(directory: str, tmp_path: str, index_name: str, metada
         f.flush()
         if sync:
             os.fsync(f.fileno())
-    return st
+    return st, (st.st_size, head_crc, tail_crc)
 
 
 def _tokens_of(names: set[str] | frozenset[str]) -> set[str]:

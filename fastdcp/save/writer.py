@@ -40,7 +40,8 @@ from torch.futures import Future
 from .. import _C
 from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
-from ..format.table_metadata import TableStorageData
+from ..format.table_metadata import TableMetadata, TableStorageData
+from ..io.committed_metadata import CommittedIndex
 from ..io.engine import DIRECT_ALIGN, IoOptions, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
 from .async_staging import StagingFuture, StagingReport
@@ -470,5 +471,8 @@ class FastFileSystemWriter(FileSystemWriter):
                                         self.io_options)
         finally:
             self._claimed_tokens = set()  # released by commit_metadata, committed or not
+        if committed.chunk_index is not None and isinstance(metadata, TableMetadata):
+            # DCP broadcasts this metadata to every rank: send where to read it, not all of it.
+            metadata.send_as(CommittedIndex(directory, *committed.chunk_index).reduced())
         crash_point("cleanup")
         remove_unreferenced(directory, committed, self.rank if rank_local else None)

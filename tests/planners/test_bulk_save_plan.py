@@ -214,3 +214,30 @@ def test_chunk_index_follows_the_committed_metadata(tmp_path):
         dest = {"w": torch.zeros(3, 4), "o": {"lr": 0.0}}
         dcp.load(dest, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
         assert torch.equal(dest["w"], state["w"]) and dest["o"]["lr"] == 0.5
+
+
+def test_the_returned_metadata_travels_as_a_reference_to_the_committed_index(tmp_path):
+    """dcp.save's metadata (broadcast by DCP to every rank) pickles as the committed chunk index's
+    name and facts; unpickled, it reads the index on first use and equals what stock reads."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastdcp import FastFileSystemWriter, FastSavePlanner
+    from fastdcp.format.metadata import CheckpointFormatError
+    from fastdcp.io.committed_metadata import CommittedTableMetadata
+
+    state = {"w": torch.arange(24.0).reshape(6, 4), "b": torch.ones(3), "o": {"lr": 0.5}}
+    returned = dcp.save(state, storage_writer=FastFileSystemWriter(tmp_path), planner=FastSavePlanner(),
+                        no_dist=True)
+    blob = pickle.dumps(returned)
+    assert len(blob) < 400 and b"ChunkStorageMetadata" not in blob
+    received = pickle.loads(blob)
+    assert type(received) is CommittedTableMetadata
+    with open(tmp_path / ".metadata", "rb") as f:
+        on_disk = pickle.load(f)
+    assert received == on_disk and received.state_dict_metadata == on_disk.state_dict_metadata
+    assert type(pickle.loads(pickle.dumps(received))) is Metadata  # once read: a stock Metadata again
+    # Overwritten since: a clear error on first use, not another save's metadata.
+    stale = pickle.loads(blob)
+    dcp.save(state, storage_writer=FastFileSystemWriter(tmp_path), planner=FastSavePlanner(), no_dist=True)
+    with pytest.raises(CheckpointFormatError, match="no longer"):
+        stale.state_dict_metadata
