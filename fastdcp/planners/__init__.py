@@ -26,9 +26,13 @@ checkpoint they write loads bit-exactly with stock ``DefaultLoadPlanner``), but:
   save for ``FastFileSystemWriter``) is never cached: it is taken from this save's plans, and the
   writer's ``prepare_global_plan`` runs on every save. ``Metadata`` is handed out as a fresh object
   with fresh top-level dicts, since writers assign ``storage_data``/``storage_meta`` on it.
-- **Plan transfer.** Plan item lists pickle as one cached blob
-  (:class:`fastdcp.planners.plan_cache._PackedItems`), and the receiving side keeps the lists it unpickled by blob, so an unchanged plan crosses the gather and
-  scatter collectives as one memcpy-sized bytes object instead of thousands of pickled dataclasses.
+- **Plan transfer.** Save plans cross the gather as columns (:mod:`fastdcp.planners.plan_columns`:
+  a compressed structure blob every FSDP rank shares, decoded once by the coordinator, plus one
+  int64 buffer per rank) and come back as a keep mask, index hints and table rows; the coordinator
+  plans in bulk (:mod:`fastdcp.planners.global_save_plan`) and validates chunks in O(R log R)
+  (:mod:`fastdcp.planners.chunk_validation`). Read plans pickle as one cached blob
+  (:class:`fastdcp.planners.plan_cache._PackedItems`), and the receiving side keeps the lists it
+  unpickled by blob.
 - **Bulk construction on a miss.** Items for plain tensors are built in one pass, sharing equal
   ``TensorProperties``, offsets and chunks (which also makes ``.metadata`` smaller and faster to
   unpickle); DTensor/ShardedTensor/object leaves use stock's helpers; replicated items are
@@ -38,8 +42,10 @@ checkpoint they write loads bit-exactly with stock ``DefaultLoadPlanner``), but:
   work itself).
 - **Per-item calls** (``resolve_data``, ``resolve_tensor``) look tensors up with one dict access.
 
-``FastLoadPlanner`` caches the local read plan keyed on the destination's structure key and the
-content of the checkpoint's ``state_dict_metadata``: loading the same checkpoint again, or another
+``FastLoadPlanner`` plans from the checkpoint's chunk table when the reader provides one
+(:mod:`fastdcp.planners.read_items`: bisection over sorted chunk columns, never building the
+metadata's per-chunk objects), and caches the local read plan keyed on the destination's structure
+key and the content of the checkpoint's ``state_dict_metadata`` (or the table): loading the same checkpoint again, or another
 checkpoint of the same model, reuses the plan; a checkpoint with other shapes or chunks replans.
 
 Caches are per process, bounded (:data:`fastdcp.planners.process_state._CACHE_ENTRIES` structures

@@ -1,4 +1,5 @@
-"""FastLoadPlanner: stock's read plan, cached per (destination structure, checkpoint metadata content).
+"""FastLoadPlanner: stock's read plan, cached per (destination structure, checkpoint metadata content);
+planned from the checkpoint's chunk table when the reader provides one.
 """
 
 
@@ -21,6 +22,7 @@ from ..io.gc import gc_paused
 from .items import _local_read_items, _metadata_key
 from . import plan_cache
 from .plan_cache import _PackedItems
+from .read_items import chunk_table_of, table_plan_key, table_read_items
 from .structure import (
     _MISSING,
     _PLAIN_TENSOR_TYPES,
@@ -39,6 +41,11 @@ class FastLoadPlanner(DefaultLoadPlanner):
     Takes stock's arguments with stock's meaning and produces stock's read plan. The local plan is
     cached per (destination structure, checkpoint metadata content); loading into state dicts
     with meta tensors, and checkpoints saved before torch 2.4, take the stock path.
+
+    When the reader's metadata carries a chunk table (``metadata.chunk_table``, a
+    :class:`~fastdcp.format.chunk_table.ChunkTable`), the plan is built from the table alone
+    (:func:`fastdcp.planners.read_items.table_read_items`) and ``state_dict_metadata``, whose
+    millions of objects such a reader builds only on demand, is never touched.
 
     fastdcp's own keyword argument:
         cache_plans: reuse read plans (default True).
@@ -91,9 +98,10 @@ class FastLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         if self.metadata is None:
             raise AssertionError("self.metadata is not None")
+        table = chunk_table_of(self.metadata)
         key = None
         if self._structure_key is not None:
-            metadata_key = _metadata_key(self.metadata)
+            metadata_key = _metadata_key(self.metadata) if table is None else table_plan_key(table)
             if metadata_key is not None:
                 key = (self._structure_key, metadata_key)
         if key is not None:
@@ -102,11 +110,16 @@ class FastLoadPlanner(DefaultLoadPlanner):
                 self.local_plan_hits += 1
                 return LoadPlan(items)
         self.local_plan_misses += 1
-        missing = self.metadata.state_dict_metadata.keys() - self.state_dict.keys()
+        saved_keys = self.metadata.state_dict_metadata.keys() if table is None else table.fqns
+        missing = set(saved_keys) - self.state_dict.keys()
         if missing and self.flatten_state_dict and _has_legacy_keys(self.original_state_dict, missing):
             return super().create_local_plan()  # a pre-2.4 checkpoint: stock re-flattens
+        strict = not self.allow_partial_load
         with gc_paused():
-            items = _PackedItems(_local_read_items(self.state_dict, self.metadata, not self.allow_partial_load))
+            if table is None:
+                items = _PackedItems(_local_read_items(self.state_dict, self.metadata, strict))
+            else:
+                items = _PackedItems(table_read_items(self.state_dict, table, strict))
         if key is not None:
             plan_cache.current_process_state().local_load_plans.put(key, items)
         return LoadPlan(items)
