@@ -23,9 +23,11 @@ def _status_kib(field_name: str) -> int | None:
     return None
 
 
-def _trim_heap() -> None:
-    """Return freed heap to the kernel so that every loop starts from a comparable RSS."""
-    gc.collect()
+def _trim_heap(collect: bool = True) -> None:
+    """Return freed heap to the kernel so that every loop starts from a comparable RSS (after a full
+    garbage collection unless ``collect`` is False: seconds on a large heap)."""
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -43,8 +45,8 @@ class HostPeak:
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        _trim_heap()
+    def start(self, collect: bool = True) -> None:
+        _trim_heap(collect)
         self.start_bytes = (_status_kib("VmRSS") or 0) * 1024
         try:
             with open("/proc/self/clear_refs", "w") as f:

@@ -56,7 +56,7 @@ Shortcuts, each stated in the table where it applies:
   ``create_global_plan``.
 
 Memory: per step, the peak resident memory above the RSS before it (VmHWM after a reset, heap
-trimmed first: :class:`_StepPeak`); for coordinator steps also what the step left held. The coordinator's peak
+trimmed first: ``HostPeak.start(collect=False)``); for coordinator steps also what the step left held. The coordinator's peak
 per phase is estimated as the largest (memory held by its earlier steps of the phase + the step's
 peak + the bytes it received for the step).
 
@@ -87,7 +87,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .host_peak import HostPeak, _status_kib
+from .host_peak import HostPeak
 from .simulated_ranks import (
     LLAMA_7B,
     ChunkLayout,
@@ -230,29 +230,11 @@ def _clear_metadata_cache() -> None:
     clear_metadata_cache()
 
 
-class _StepPeak(HostPeak):
-    """``HostPeak`` for the simulation's ~150 short steps: :meth:`start` trims the heap and resets
-    VmHWM as HostPeak's does, but without HostPeak's full garbage collection first (0.2 s at small
-    N, seconds at large N, per step; the simulation collects garbage itself between phases).
-    Where the reset is refused, HostPeak's own start (collection and sampling thread) is used."""
-
-    def start(self) -> None:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-        self.start_bytes = (_status_kib("VmRSS") or 0) * 1024
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.method = "VmHWM"
-        except OSError:
-            super().start()
-
-
 def _started_meter() -> HostPeak:
-    meter = _StepPeak()
-    meter.start()
+    # Without HostPeak's full garbage collection per step (~150 short steps; seconds each at large
+    # N): the simulation collects garbage itself between phases.
+    meter = HostPeak()
+    meter.start(collect=False)
     return meter
 
 
