@@ -69,7 +69,6 @@ table, the growth exponents, the issue's bars and the JSON.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import gc
 import inspect
