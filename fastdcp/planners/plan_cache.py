@@ -6,7 +6,6 @@ of save and load plans (per process; they hold no tensors).
 from __future__ import annotations
 
 import pickle
-from collections import OrderedDict
 from typing import Any
 
 
