@@ -386,7 +386,9 @@ class OthersCPU:
         others = max(0, (end[0] - self._ticks[0]) - (end[1] - self._ticks[1])) / hz
         wall = time.perf_counter() - self._t0
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return others, others / (wall * cpus) if wall > 0 else 0.0
+        # Ticks count in 1/HZ steps read at other moments than the clock: a fully busy machine can
+        # read a tick over 100%.
+        return others, min(1.0, others / (wall * cpus)) if wall > 0 else 0.0
 
 
 # --------------------------------------------------------------------------- systems
