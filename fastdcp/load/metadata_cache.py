@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..format.chunk_index import EDGE_BYTES, crc32c, find_chunk_index_name, read_chunk_index
+from ..format.chunk_index import find_chunk_index_name, metadata_facts, read_chunk_index
 from ..format.metadata import CheckpointFormatError
 from ..format.table_metadata import TableMetadata
 from ..io.checkpoint_files import check_relative_path, load_metadata, metadata_path
@@ -173,11 +173,7 @@ def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
         name = find_chunk_index_name(head)
         if name is None:
             return None  # stock-written (or damaged: the parse reports it)
-        size = os.fstat(f.fileno()).st_size
-        f.seek(0)
-        head_crc = crc32c(f.read(min(size, EDGE_BYTES)))
-        f.seek(max(0, size - EDGE_BYTES))
-        tail_crc = crc32c(f.read(min(size, EDGE_BYTES)))
+        size, head_crc, tail_crc = metadata_facts(f)
     try:
         index_path = check_relative_path(directory, name)
     except CheckpointFormatError as e:

@@ -33,11 +33,10 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..format.chunk_index import write_chunk_index
+from ..format.chunk_index import metadata_facts, write_chunk_index
 from ..format.metadata import METADATA_NAME, RANK_METADATA_RE
 from ..format.metadata_emit import CHUNK_INDEX_ATTRIBUTE, write_metadata
 from ..io.checkpoint_files import load_metadata
-from ..io.engine import IoOptions, get_engine
 from ..io.gc import gc_paused
 from . import inflight
 from .crash_points import crash_point
@@ -70,7 +69,6 @@ _METADATA_TMP_RE = re.compile(rf"^(?:__(\d+))?\.metadata(?:\.([0-9a-f]{{{_TOKEN_
 # The chunk index written beside a metadata file planned in bulk: .metadata.{token}.index.
 _CHUNK_INDEX_RE = re.compile(rf"^(?:__(\d+))?\.metadata\.([0-9a-f]{{{_TOKEN_HEX}}})\.index$")
 
-_HEAD_TAIL_BYTES = 64 << 10  # what a chunk index records of its metadata file (CRC-32C of each end)
 
 
 def claim_token(directory: str) -> str:
@@ -173,8 +171,7 @@ def _interfered(directory: str, what: str) -> ConcurrentSaveError:
 
 
 def commit_metadata(
-    directory: str, metadata_name: str, token: str, metadata: Metadata, new_files: set[str], sync: bool,
-    io_options: IoOptions | None = None,
+    directory: str, metadata_name: str, token: str, metadata: Metadata, new_files: set[str], sync: bool
 ) -> CommittedMetadata:
     """Make ``metadata`` the checkpoint's ``metadata_name`` atomically (coordinator only, after
     every rank's data files are durable; ``sync``: fsync as the protocol says). ``token``: this
@@ -200,7 +197,7 @@ def commit_metadata(
         if table is not None and table.storage is not None:
             index_name = f"{metadata_name}.{token}.index"
             new_files = new_files | {index_name}
-            st, index_facts = _write_table_metadata(directory, tmp_path, index_name, metadata, sync, io_options)
+            st, index_facts = _write_table_metadata(directory, tmp_path, index_name, metadata, sync)
             chunk_index = (index_name, *index_facts)
         else:
             with open(tmp_path, "wb") as f, gc_paused():
@@ -239,8 +236,8 @@ def commit_metadata(
     return CommittedMetadata(metadata_name, (st.st_dev, st.st_ino), frozenset(new_files), chunk_index)
 
 
-def _write_table_metadata(directory: str, tmp_path: str, index_name: str, metadata: Metadata, sync: bool,
-                          io_options: IoOptions | None) -> tuple[os.stat_result, tuple[int, int, int]]:
+def _write_table_metadata(directory: str, tmp_path: str, index_name: str, metadata: Metadata,
+                          sync: bool) -> tuple[os.stat_result, tuple[int, int, int]]:
     """Write a metadata planned in bulk (its ``chunk_table`` has storage columns): the stock-format
     pickle streamed from the columns to ``tmp_path``, then the chunk index ``index_name`` that
     records the metadata file's size and the CRC-32C of its two ends (so a reader can tell that
@@ -254,20 +251,15 @@ def _write_table_metadata(directory: str, tmp_path: str, index_name: str, metada
         if sync:
             os.fsync(f.fileno())
         st = os.fstat(f.fileno())
-        head = os.pread(f.fileno(), min(_HEAD_TAIL_BYTES, st.st_size), 0)
-        tail_start = max(0, st.st_size - _HEAD_TAIL_BYTES)
-        tail = os.pread(f.fileno(), st.st_size - tail_start, tail_start)
-    if io_options is None:
-        io_options = IoOptions.resolve(direct_io=None, default_direct_io=False, io_threads=None, task_bytes=None)
-    head_crc, tail_crc = get_engine(io_options).crc32c([(head, None), (tail, None)])
+        size, head_crc, tail_crc = metadata_facts(f)
     with open(os.path.join(directory, index_name), "wb") as f:
         write_chunk_index(
-            f, table, metadata_size=st.st_size, metadata_head_crc=head_crc, metadata_tail_crc=tail_crc, **facts
+            f, table, metadata_size=size, metadata_head_crc=head_crc, metadata_tail_crc=tail_crc, **facts
         )
         f.flush()
         if sync:
             os.fsync(f.fileno())
-    return st, (st.st_size, head_crc, tail_crc)
+    return st, (size, head_crc, tail_crc)
 
 
 def _tokens_of(names: set[str] | frozenset[str]) -> set[str]:

@@ -467,8 +467,7 @@ class FastFileSystemWriter(FileSystemWriter):
         metadata_name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
         token = self._save_token or self._claim_token()
         try:
-            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files,
-                                        self.io_options)
+            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files)
         finally:
             self._claimed_tokens = set()  # released by commit_metadata, committed or not
         if committed.chunk_index is not None and isinstance(metadata, TableMetadata):
