@@ -19,6 +19,7 @@ stored under ``MetadataIndex(fqns[e])``. Columns past an entry's ``ndim`` are ze
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,21 @@ from torch.distributed.checkpoint.metadata import (
 
 from .metadata import CHECKSUM_ATTRIBUTE
 
-__all__ = ["ChunkTable", "StorageColumns", "table_from_metadata", "table_to_metadata"]
+__all__ = ["ChunkTable", "StorageColumns", "table_from_metadata", "table_to_metadata", "tensor_bytes", "int64_values"]
 
 NO_CHECKSUM = -1  # value of StorageColumns.checksums for an item without a recorded CRC-32C
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a CPU tensor's values, in order: how columns travel in pickles (no numpy:
+    it is not a dependency)."""
+    tensor = tensor.contiguous()
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()) if tensor.numel() else b""
+
+
+def int64_values(data: bytes) -> torch.Tensor:
+    """The int64 tensor :func:`tensor_bytes` was made from (a copy: ``data`` is immutable)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass(eq=False)  # tensors: compare columns with torch.equal

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from ..format.chunk_table import ChunkTable
-from .plan_columns import NO_HINT, GlobalItems, ItemStructure, RankColumns, tensor_bytes
+from ..format.chunk_table import ChunkTable, tensor_bytes
+from .plan_columns import NO_HINT, GlobalItems, ItemStructure, RankColumns
 
 __all__ = ["BulkGlobalPlan", "plan_globally_in_bulk"]
 

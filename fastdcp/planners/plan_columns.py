@@ -21,7 +21,6 @@ write items of unknown kinds) travel as one pickled list, as before (``_PackedIt
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import pickle
 import secrets
@@ -34,6 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ..format.chunk_table import int64_values, tensor_bytes
 from ..io.gc import gc_paused
 from .process_state import current_process_state
 
@@ -168,17 +168,6 @@ def encode_columns(items: Sequence[WriteItem]) -> tuple[ItemStructure, bytes, by
     except (OverflowError, RuntimeError):
         return None
     return structure, blob, tensor_bytes(packed)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The bytes of a CPU tensor's values, in order (no numpy: it is not a dependency)."""
-    tensor = tensor.contiguous()
-    return ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()) if tensor.numel() else b""
-
-
-def int64_values(data: bytes) -> torch.Tensor:
-    """The int64 tensor ``tensor_bytes`` was made from (a copy: ``data`` is immutable)."""
-    return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.zeros(0, dtype=torch.int64)
 
 
 class ColumnarItems(Sequence):

@@ -11,7 +11,6 @@ columns with a few tensor operations (:func:`storage_columns`).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,19 +19,10 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..format.chunk_table import NO_CHECKSUM, StorageColumns
+from ..format.chunk_table import NO_CHECKSUM, StorageColumns, int64_values, tensor_bytes
 from ..format.metadata import CHECKSUM_ATTRIBUTE
 
 __all__ = ["pack_write_results", "ResultColumns", "result_columns", "storage_columns"]
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    tensor = tensor.contiguous()
-    return ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()) if tensor.numel() else b""
-
-
-def _int64(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -96,7 +86,7 @@ def pack_write_results(plan: SavePlan, results: list[WriteResult]) -> list[Write
     position = {item.index: p for p, item in enumerate(plan.items)}
     if len(position) != len(results):
         return results
-    rows_of_items = _int64(table_rows).tolist()
+    rows_of_items = int64_values(table_rows).tolist()
     files: dict[str, int] = {}
     rows, file_index, byte_offset, byte_length, checksums = [], [], [], [], []
     for result in results:
@@ -111,11 +101,11 @@ def pack_write_results(plan: SavePlan, results: list[WriteResult]) -> list[Write
         checksums.append(getattr(info, CHECKSUM_ATTRIBUTE, NO_CHECKSUM))
     columns = ResultColumns(
         files=tuple(files),
-        rows=_bytes(torch.tensor(rows, dtype=torch.int64)),
-        file_index=_bytes(torch.tensor(file_index, dtype=torch.int64)),
-        byte_offset=_bytes(torch.tensor(byte_offset, dtype=torch.int64)),
-        byte_length=_bytes(torch.tensor(byte_length, dtype=torch.int64)),
-        checksums=_bytes(torch.tensor(checksums, dtype=torch.int64)),
+        rows=tensor_bytes(torch.tensor(rows, dtype=torch.int64)),
+        file_index=tensor_bytes(torch.tensor(file_index, dtype=torch.int64)),
+        byte_offset=tensor_bytes(torch.tensor(byte_offset, dtype=torch.int64)),
+        byte_length=tensor_bytes(torch.tensor(byte_length, dtype=torch.int64)),
+        checksums=tensor_bytes(torch.tensor(checksums, dtype=torch.int64)),
     )
     return PackedWriteResults(results, columns)
 
@@ -135,11 +125,11 @@ def storage_columns(rows: int, per_rank: list[ResultColumns]) -> StorageColumns:
         base = len(files)
         files.extend(columns.files)
         parts.append((
-            _int64(columns.rows),
-            _int64(columns.file_index) + base,
-            _int64(columns.byte_offset),
-            _int64(columns.byte_length),
-            _int64(columns.checksums),
+            int64_values(columns.rows),
+            int64_values(columns.file_index) + base,
+            int64_values(columns.byte_offset),
+            int64_values(columns.byte_length),
+            int64_values(columns.checksums),
         ))
     # The same file name from two ranks cannot happen (names carry the rank); dedup anyway.
     unique: dict[str, int] = {}
