@@ -39,6 +39,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 import dcp_cases as C
+from fastdcp.bench.process_group import exit_spawned_rank
 
 PG_TIMEOUT_S = 90
 
@@ -565,9 +566,4 @@ def run_rank(rank: int, spec: dict) -> None:
         rec.write(stage="done", marks={k: round(v, 2) for k, v in marks.items()})
     except BaseException:  # noqa: BLE001 - recorded for the test to report
         rec.write(stage="phase_error", msg=traceback.format_exc())
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except BaseException:  # noqa: BLE001
-            pass
+    exit_spawned_rank()  # the records carry the verdict

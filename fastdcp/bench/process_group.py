@@ -1,11 +1,14 @@
 """A local process group for the parts of the suite that need one: a free TCP port for a rendezvous,
-and a 1-rank gloo default group (stock's process-mode ``async_save`` and NVRx's writer read the
-rank from it even in a single process)."""
+a 1-rank gloo default group (stock's process-mode ``async_save`` and NVRx's writer read the
+rank from it even in a single process), and the end of a spawned gloo rank."""
 
 from __future__ import annotations
 
+import os
 import socket
-from typing import Any
+import sys
+import traceback
+from typing import Any, NoReturn
 
 
 def free_port() -> int:
@@ -42,3 +45,37 @@ class OneRankGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def exit_spawned_rank(status: int = 0) -> NoReturn:
+    """Destroy this process's default process group, flush stdout/stderr and end the process
+    with ``status`` at once, without interpreter finalization.
+
+    Precondition: the rank's outcome is already reported (its files written and closed): nothing
+    after this call runs, no ``atexit`` handler, no ``finally`` of a caller. A failure of
+    ``destroy_process_group`` is printed and turns status 0 into 1.
+
+    Why not return and let the interpreter exit: gloo's worker threads drop their reference to a
+    finished collective's tensors after the caller has moved on, and when that reference is the
+    last owner of a Python tensor object (``all_gather_object`` and the other object
+    collectives make such tensors) the thread takes the GIL to free it. A DTensor's device mesh
+    keeps the group, and so its threads, alive past ``destroy_process_group``. If the drop comes
+    while the interpreter finalizes, taking the GIL ends the thread by a forced unwind through a
+    ``noexcept`` frame of ``ProcessGroupGloo::runLoop``: ``std::terminate``, SIGABRT
+    ("terminate called without an active exception"; pytorch/pytorch#190489). Seen here in about
+    1 of 3 runs of a 2-rank DTensor save/load test on 2 busy cores.
+    """
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported, then the process ends anyway
+        traceback.print_exc()
+        status = status or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - a closed stream has nothing to flush
+            pass
+    os._exit(status)

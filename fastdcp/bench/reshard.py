@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .pagecache import COLD_DROP, make_cold, warm_files
-from .process_group import free_port
+from .process_group import exit_spawned_rank, free_port
 from .state import (StateSpec, VerificationError, compare_tensor, corrupt_one_byte, fill_box,
                     make_tensor, scribble)
 
@@ -213,6 +213,7 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
             with open(out, "w") as f:
                 json.dump({"records": records, "failure": failure}, f)
         dist.destroy_process_group()
+    exit_spawned_rank(0)  # reported above; an exception other than VerificationError propagates instead
 
 
 # Ranks are forked from a forkserver that imported these once: with plain spawn, every rank

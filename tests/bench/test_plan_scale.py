@@ -43,6 +43,7 @@ from fastdcp.bench.plan_scale import (
 )
 from fastdcp.bench.plan_scale_report import TOTALS, bars, plan_scale_json, plan_scale_lines, summarize
 from fastdcp.bench.results import Recorder
+from fastdcp.bench.process_group import exit_spawned_rank
 from fastdcp.bench.runner import main
 from fastdcp.bench.simulated_ranks import (
     ChunkLayout,
@@ -139,8 +140,7 @@ def _real_rank(rank: int, spec: dict) -> None:
     finally:
         with open(os.path.join(spec["out"], f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    exit_spawned_rank()  # the file carries the verdict
 
 
 def _run_real(tmp_path: Path) -> list[dict]:

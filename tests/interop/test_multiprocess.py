@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import dcp_cases as C
+from fastdcp.bench.process_group import exit_spawned_rank
 from dcp_cases import KINDS, PAIR_IDS, PAIRS
 
 PLACEMENTS = ("S0", "S1", "R")
@@ -287,12 +288,7 @@ def _worker(rank: int, spec: dict) -> None:
         rec.write(stage="done")
     except BaseException:
         rec.write(stage="phase_error", msg=traceback.format_exc())
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except BaseException:
-            pass
+    exit_spawned_rank()  # the records carry the verdict
 
 
 def _wait_for_marker(path: Path, deadline: float) -> bool:

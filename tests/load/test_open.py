@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 import dcp_cases as C
 import fastdcp
 from fastdcp import CheckpointFormatError, CheckpointNotFoundError
+from fastdcp.bench.process_group import exit_spawned_rank
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", message=".*quantize.*deprecated")
@@ -250,6 +251,7 @@ def _dtensor_worker(rank: int, store: str, root: str) -> None:
             dcp.save(state, storage_writer=_writer(kind, os.path.join(root, kind)))
     finally:
         dist.destroy_process_group()
+    exit_spawned_rank()  # reached only when the saves succeeded; a failure propagates to spawn
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from fastdcp.format.chunk_index import metadata_facts, write_chunk_index
 from fastdcp.format.chunk_table import ChunkTable, table_from_metadata, table_to_metadata
 from fastdcp.format.metadata import CheckpointFormatError, parse_metadata
 from fastdcp.format.metadata_emit import write_metadata
+from fastdcp.bench.process_group import exit_spawned_rank
 from fastdcp.format.table_metadata import TableMetadata, TableStorageData
 from fastdcp.io.checkpoint_files import file_extents
 from fastdcp.load import metadata_cache as MC
@@ -368,6 +369,7 @@ def _dtensor_worker(rank: int, store: str, root: str) -> None:
         dcp.save(state, storage_writer=FastFileSystemWriter(os.path.join(root, "ckpt")))
     finally:
         dist.destroy_process_group()
+    exit_spawned_rank()  # reached only when the save succeeded; a failure propagates to spawn
 
 
 @pytest.mark.fastdcp_timeout(180)

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteIt
 import dcp_cases as C
 from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner, FastSavePlanner
 from fastdcp.load import header_pass as H
+from fastdcp.bench.process_group import exit_spawned_rank
 from fastdcp.load import metadata_cache as MC
 from fastdcp.planners import items as PI
 from fastdcp.planners import plan_cache as PC
@@ -740,11 +741,7 @@ def _mp_worker(rank: int, spec: dict) -> None:
     finally:
         with open(os.path.join(spec["results"], f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except BaseException:
-            pass
+    exit_spawned_rank()  # the record carries the verdict
 
 
 def _run_world(tmp_path: Path, ws: int) -> list[dict]:
