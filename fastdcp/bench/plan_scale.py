@@ -155,6 +155,10 @@ class PlanSystem:
     # Whether its save planner runs stock's O(N^2) global plan validation, which is then
     # estimated above EXACT_VALIDATION_MAX_RANKS (simulated_ranks.estimate_validation).
     defers_stock_validation: bool = False
+    # How its load planner hands over a read plan's items (stock: a list; fastdcp: plan_cache's
+    # _PackedItems, which cross the coordinator undecoded); the reference plans of unmeasured
+    # ranks are packed the same way.
+    pack_read_items: Callable[[list[Any]], Any] = list
 
 
 def stock_system() -> PlanSystem:
@@ -167,12 +171,14 @@ def stock_system() -> PlanSystem:
 
 def fastdcp_system() -> PlanSystem:
     import fastdcp
+    from fastdcp.planners.plan_cache import _PackedItems
     from fastdcp.save.results import pack_write_results
 
     return PlanSystem(
         "fastdcp", fastdcp.FastSavePlanner, fastdcp.FastLoadPlanner, fastdcp.FastFileSystemWriter,
         fastdcp.FastFileSystemReader, pack_write_results,
-        {"planners": "FastSavePlanner / FastLoadPlanner", "storage": "FastFileSystemWriter / FastFileSystemReader"})
+        {"planners": "FastSavePlanner / FastLoadPlanner", "storage": "FastFileSystemWriter / FastFileSystemReader"},
+        pack_read_items=_PackedItems)
 
 
 @dataclasses.dataclass
@@ -562,7 +568,7 @@ class PlanScaleSimulation:
             reader.set_up_storage_reader(metadata, rank == 0, rank=rank, use_collectives=True)
         else:
             reader.set_up_storage_reader(metadata, rank == 0)
-        return reader.prepare_local_plan(LoadPlan(items))
+        return reader.prepare_local_plan(LoadPlan(self.system.pack_read_items(items)))
 
     def _load_into(self, phase: str, world: int, reader: Any, metadata: Metadata, layout: ChunkLayout) -> None:
         """A load into ``world`` ranks: local plans (the sample ranks measured; the coordinator

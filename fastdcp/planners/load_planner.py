@@ -5,6 +5,7 @@ planned from the checkpoint's chunk table when the reader provides one.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.planner import (
 from ..io.gc import gc_paused
 from .items import _local_read_items, _metadata_key
 from . import plan_cache
-from .plan_cache import _PackedItems
+from .plan_cache import _PackedItems, as_item_list
 from .read_items import chunk_table_of, table_plan_key, table_read_items
 from .structure import (
     _MISSING,
@@ -123,6 +124,14 @@ class FastLoadPlanner(DefaultLoadPlanner):
         if key is not None:
             plan_cache.current_process_state().local_load_plans.put(key, items)
         return LoadPlan(items)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        # A plan whose items this process no longer remembered comes back undecoded
+        # (plan_cache.UndecodedReadItems); storage readers get a list.
+        items = as_item_list(new_plan.items)
+        if items is not new_plan.items:
+            new_plan = dataclasses.replace(new_plan, items=items)
+        return super().finish_plan(new_plan)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict.get(index.fqn, _MISSING)

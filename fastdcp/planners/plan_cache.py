@@ -6,8 +6,10 @@ of save and load plans (per process; they hold no tensors).
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from torch.distributed.checkpoint.planner import ReadItem
 
 from ..io.gc import gc_paused
 from .plan_columns import RankColumns, _columnar_items, encode_columns, new_token
@@ -32,6 +34,86 @@ def _unpack_items(blob: bytes) -> _PackedItems:
             items = tuple(pickle.loads(blob))
         _remember_blob(blob, items)
     return _PackedItems(items, blob)
+
+
+def _unpack_read_items(blob: bytes) -> Any:
+    """Unpickling side of a read plan's :class:`_PackedItems`. In the process that packed ``blob``
+    (a rank receiving its global plan back) the items it remembered, without decoding; anywhere
+    else (the coordinator of the load) an :class:`UndecodedReadItems` that decodes only if
+    something reads it."""
+    items = current_process_state().unpacked.get(blob)
+    if items is not None:
+        return _PackedItems(items, blob)
+    return UndecodedReadItems(blob)
+
+
+class UndecodedReadItems(Sequence):
+    """A rank's read items as they crossed DCP's gather: the pickled blob, decoded on first use.
+
+    Stock's global load plan is the identity (``create_default_global_load_plan``), so the
+    coordinator of a load only passes every rank's read plan back through the scatter; decoding
+    N plans of thousands of ``ReadItem`` there cost about as much as the rest of the load's
+    planning at thousands of ranks. This read-only sequence pickles back as the same blob
+    without decoding it. A planner or storage reader that does read the items gets them (decoded
+    once); what a list has beyond a read-only sequence (``append``, ``sort``) is absent, so code
+    that would change the items in place fails loudly instead of working on an empty list."""
+
+    __slots__ = ("_blob", "_items")
+
+    def __init__(self, blob: bytes) -> None:
+        self._blob = blob
+        self._items: tuple[Any, ...] | None = None
+
+    @property
+    def decoded(self) -> bool:
+        """Whether the items were decoded (something read them)."""
+        return self._items is not None
+
+    def items(self) -> tuple[Any, ...]:
+        """The decoded items (decoded on the first call)."""
+        if self._items is None:
+            with gc_paused():
+                self._items = tuple(pickle.loads(self._blob))
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.items()[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, UndecodedReadItems) and other._blob == self._blob:
+            return True
+        if isinstance(other, (list, tuple, UndecodedReadItems)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment] - equal to lists, which are unhashable
+
+    def __add__(self, other: Any) -> list[Any]:
+        return list(self) + list(other)
+
+    def __radd__(self, other: Any) -> list[Any]:
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        state = f"{len(self._items)} items" if self._items is not None else "not decoded"
+        return f"UndecodedReadItems({len(self._blob)} bytes, {state})"
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return (_unpack_read_items, (self._blob,))
+
+
+def as_item_list(items: Any) -> Any:
+    """``items`` as a list: :class:`UndecodedReadItems` decoded into a :class:`_PackedItems`
+    that pickles as the same blob; anything else as it is."""
+    if type(items) is UndecodedReadItems:
+        return _PackedItems(items.items(), items._blob)
+    return items
 
 
 def _invalidating(name: str):
@@ -88,6 +170,12 @@ class _PackedItems(list):
             items = tuple(self)
             blob = self._blob = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
             _remember_blob(blob, items)
+        if self and all(type(item) is ReadItem for item in self):
+            # A read plan: the coordinator passes it on undecoded, and this process must still
+            # know the blob when its plan comes back.
+            if current_process_state().unpacked.get(blob) is None:
+                _remember_blob(blob, tuple(self))
+            return (_unpack_read_items, (blob,))
         return (_unpack_items, (blob,))
 
     def same_items(self, other: Any) -> bool:
