@@ -37,18 +37,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import dcp_cases as C
 from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner, FastSavePlanner
 from fastdcp.format.chunk_table import table_from_metadata
-from fastdcp.load import metadata_cache as MC
-from fastdcp.planners import plan_cache as PC
 from fastdcp.planners import read_items as RI
-
-
-@pytest.fixture(autouse=True)
-def _fresh_caches():
-    PC.clear_plan_caches()
-    MC.clear_metadata_cache()
-    yield
-    PC.clear_plan_caches()
-    MC.clear_metadata_cache()
 
 
 class TableOnlyMetadata(Metadata):

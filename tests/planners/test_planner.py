@@ -41,15 +41,6 @@ SAVE_PLANNERS = {"stock": DefaultSavePlanner, "fast": FastSavePlanner}
 LOAD_PLANNERS = {"stock": DefaultLoadPlanner, "fast": FastLoadPlanner}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_caches():
-    PC.clear_plan_caches()
-    MC.clear_metadata_cache()
-    yield
-    PC.clear_plan_caches()
-    MC.clear_metadata_cache()
-
-
 def mixed_state_dict(seed: int = 0) -> dict:
     """Tensors of every shape class, nested containers, objects and a ShardedTensor-free optimizer-like
     tree: what a single process checkpoints."""

@@ -17,18 +17,8 @@ from torch.distributed.checkpoint.planner import LoadPlan
 
 import dcp_cases as C
 from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner, FastSavePlanner
-from fastdcp.load import metadata_cache as MC
 from fastdcp.planners import plan_cache as PC
 from fastdcp.planners.process_state import PlanProcessState, simulated_process
-
-
-@pytest.fixture(autouse=True)
-def _fresh_caches():
-    PC.clear_plan_caches()
-    MC.clear_metadata_cache()
-    yield
-    PC.clear_plan_caches()
-    MC.clear_metadata_cache()
 
 
 def _state(seed: int) -> dict:
