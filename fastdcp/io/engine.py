@@ -93,6 +93,8 @@ class IoOptions:
     io_threads: int
     task_bytes: int
     memory_budget_bytes: int
+    # Whether io_threads was asked for (constructor or FASTDCP_IO_THREADS), not the default.
+    io_threads_chosen: bool = False
 
     @staticmethod
     def resolve(
@@ -120,12 +122,35 @@ class IoOptions:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if threads > 256:
             raise ValueError(f"io_threads={threads} is unreasonably large (at most 256)")
-        return IoOptions(bool(direct_io), threads, task, budget)
+        chosen = io_threads is not None or env_int("FASTDCP_IO_THREADS") is not None
+        return IoOptions(bool(direct_io), threads, task, budget, chosen)
 
     def direct_for(self, directory: str) -> bool:
         """Whether to ask for O_DIRECT under ``directory``: never on memory-backed filesystems,
         where it only adds a bounce copy (tmpfs accepts O_DIRECT since Linux 6.6)."""
         return self.direct_io and not _C.on_memory_filesystem(directory)
+
+    def write_threads_for(self, directory: str) -> int:
+        """Engine threads (and so, with the automatic file split, files) for writing under
+        ``directory``: ``io_threads``, except with the default thread count on a memory-backed
+        filesystem, where it is at most this rank's share of the CPUs it may run on
+        (:func:`cpu_share`). There a write is a page allocation and a memory copy, CPU work that
+        threads beyond the CPUs only time-slice. Measured on a 2-core host, 1 GiB to /dev/shm:
+        2 threads 5.0-5.1 GiB/s, 4 threads 4.8-4.9 GiB/s (dcp.save, three A/B pairs)."""
+        if self.io_threads_chosen or not _C.on_memory_filesystem(directory):
+            return self.io_threads
+        return max(1, min(self.io_threads, cpu_share()))
+
+
+def cpu_share() -> int:
+    """The CPUs this process may run on (its affinity), divided among the ranks of this node
+    (``LOCAL_WORLD_SIZE``, 1 without it); at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, cpus // ranks)
 
 
 _engines: dict[tuple[int, int, int], "_C.Engine"] = {}

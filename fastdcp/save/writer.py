@@ -93,7 +93,9 @@ class FastFileSystemWriter(FileSystemWriter):
         direct_io: write with O_DIRECT where the filesystem allows it (default True; environment
             ``FASTDCP_DIRECT_IO``; never on tmpfs/ramfs). Network filesystems are often faster
             buffered.
-        io_threads: engine worker threads (default ``min(8, cpus)``, at least 4).
+        io_threads: engine worker threads (default ``min(8, cpus)``, at least 4; on tmpfs/ramfs at
+            most this rank's share of the CPUs, ``cpus // LOCAL_WORLD_SIZE``, since writing there is a
+            memory copy).
         task_bytes: the unit large writes are split into (default 8 MiB).
         checksums: record a CRC-32C of every stored item in ``.metadata`` (default False;
             environment ``FASTDCP_CHECKSUMS``), checked by ``FastFileSystemReader(verify_checksums=True)``
@@ -334,8 +336,11 @@ class FastFileSystemWriter(FileSystemWriter):
             self._release_staging(planner)
 
     def _write_data_fast(self, storage_plan: _StoragePrefix, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        write_options = dataclasses.replace(
+            self.io_options, io_threads=self.io_options.write_threads_for(str(self.path))
+        )
         buckets = split_into_files(
-            list(plan.items), self.single_file_per_rank, self.files_per_rank, self.io_options.io_threads
+            list(plan.items), self.single_file_per_rank, self.files_per_rank, write_options.io_threads
         )
 
         files: list[FilePlan] = []
@@ -356,7 +361,7 @@ class FastFileSystemWriter(FileSystemWriter):
 
         if self.checksums:
             record_checksums(get_engine(self.io_options), files)
-        self._write_files(files)
+        self._write_files(files, write_options)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(pack_write_results(plan, [r for f in files for r in f.results]))
         return fut
@@ -384,10 +389,10 @@ class FastFileSystemWriter(FileSystemWriter):
             file_plan.size = offset
             file_plan.append_bytes(item, storage_key, buffer.getvalue())
 
-    def _write_files(self, files: list[FilePlan]) -> None:
-        engine = get_engine(self.io_options)
+    def _write_files(self, files: list[FilePlan], options: IoOptions) -> None:
+        engine = get_engine(options)
         handles: list[_C.File] = []
-        direct = self.io_options.direct_for(str(self.path))
+        direct = options.direct_for(str(self.path))
         try:
             jobs = []
             for f in files:

@@ -169,3 +169,52 @@ def test_async_save_with_the_automatic_layout(tmp_path, monkeypatch):
 def test_thread_count_must_be_a_positive_int_or_none(tmp_path, bad):
     with pytest.raises(ValueError, match="thread_count"):
         FastFileSystemWriter(tmp_path, thread_count=bad)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Memory-backed filesystems: a write is a memory copy, so at most the rank's share of the CPUs.
+
+
+@pytest.fixture
+def shm_dir():
+    import shutil
+    import tempfile
+
+    from fastdcp import _C
+
+    if not os.path.isdir("/dev/shm") or not _C.on_memory_filesystem("/dev/shm"):
+        pytest.skip("no memory-backed /dev/shm on this machine")
+    directory = Path(tempfile.mkdtemp(prefix="fastdcp_split_", dir="/dev/shm"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_write_threads_on_a_memory_filesystem_are_the_cpu_share(shm_dir, tmp_path, monkeypatch):
+    from fastdcp.io import engine
+
+    monkeypatch.delenv("FASTDCP_IO_THREADS", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    options = engine.IoOptions.resolve(direct_io=None, default_direct_io=True, io_threads=None, task_bytes=None)
+    assert not options.io_threads_chosen
+    assert options.write_threads_for(str(tmp_path)) == options.io_threads  # a disk: unchanged
+    assert options.write_threads_for(str(shm_dir)) == min(options.io_threads, cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cpus))  # more ranks than CPUs on this node
+    assert engine.cpu_share() == 1
+    assert options.write_threads_for(str(shm_dir)) == 1
+    chosen = engine.IoOptions.resolve(direct_io=None, default_direct_io=True, io_threads=6, task_bytes=None)
+    assert chosen.io_threads_chosen and chosen.write_threads_for(str(shm_dir)) == 6
+    monkeypatch.setenv("FASTDCP_IO_THREADS", "5")
+    from_env = engine.IoOptions.resolve(direct_io=None, default_direct_io=True, io_threads=None, task_bytes=None)
+    assert from_env.io_threads_chosen and from_env.write_threads_for(str(shm_dir)) == 5
+
+
+def test_a_save_to_a_memory_filesystem_writes_one_file_per_cpu_share(shm_dir, monkeypatch):
+    monkeypatch.delenv("FASTDCP_IO_THREADS", raising=False)
+    state = _state(8, 20)  # 160 MiB: 5 files' worth at the 32 MiB minimum
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0))))  # a share of 1 CPU
+    dcp.save(state, storage_writer=FastFileSystemWriter(shm_dir / "shared"), no_dist=True)
+    assert len(_data_files(shm_dir / "shared")) == 1
+    _assert_loads(shm_dir / "shared", state)
+    dcp.save(state, storage_writer=FastFileSystemWriter(shm_dir / "chosen", io_threads=4), no_dist=True)
+    assert len(_data_files(shm_dir / "chosen")) == 4  # an explicit io_threads is kept
+    _assert_loads(shm_dir / "chosen", state)
