@@ -21,6 +21,8 @@ import errno
 import inspect
 import io
 import os
+import threading
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -176,6 +178,7 @@ class FastFileSystemWriter(FileSystemWriter):
         env_checksums = env_flag("FASTDCP_CHECKSUMS")
         self.checksums = bool(checksums if checksums is not None else (env_checksums or False))
         self._stager: StateDictStager | None = None  # created by the first stage(); never pickled
+        self._staged_on_thread: int | None = None  # see _yield_to_the_caller_of_async_save
         env_async = env_flag("FASTDCP_ASYNC_STAGING")
         if async_staging is not None and not isinstance(async_staging, bool):
             raise TypeError(f"async_staging must be a bool or None, got {async_staging!r}")
@@ -199,6 +202,7 @@ class FastFileSystemWriter(FileSystemWriter):
         state = self.__dict__.copy()
         state["_stager"] = None
         state["_ring"] = None
+        state["_staged_on_thread"] = None
         return state
 
     # ----------------------------------------------------------------------------------------- #
@@ -214,6 +218,7 @@ class FastFileSystemWriter(FileSystemWriter):
         (:mod:`fastdcp.save.async_staging`; :func:`fastdcp.guard` places the wait)."""
         if self._stager is None:
             self._stager = StateDictStager()
+        self._staged_on_thread = threading.get_ident()
         if not self.async_staging:
             return self._stager.stage(state_dict)
         copy_engine = get_engine(dataclasses.replace(self.io_options, io_threads=default_copy_threads()))
@@ -256,7 +261,23 @@ class FastFileSystemWriter(FileSystemWriter):
     # ----------------------------------------------------------------------------------------- #
     # Planning: save-unique file names.
 
+    def _yield_to_the_caller_of_async_save(self) -> None:
+        """On the first call from a thread other than the one that ran :meth:`stage`, give up the
+        GIL once.
+
+        ``dcp.async_save`` stages on the caller's thread, then starts the save thread, whose first
+        call into this writer is ``reset(checkpoint_id)``. The caller is then waiting in
+        ``Thread.start()`` and, once this thread has started, for the GIL, which this thread, busy
+        planning, hands over only when the interpreter forces a switch (every 5 ms by default):
+        measured 9.6 ms of a 1 GiB ``async_save``'s blocked 68.6 ms (reused writer, 334 keys).
+        Yielding here lets the caller take the GIL and return to training at once."""
+        staged_on = self._staged_on_thread
+        if staged_on is not None and staged_on != threading.get_ident():
+            self._staged_on_thread = None
+            time.sleep(0)
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._yield_to_the_caller_of_async_save()
         super().reset(checkpoint_id)
         self._save_token = None
         self._claimed_tokens = set()

@@ -414,3 +414,33 @@ def test_a_tensor_that_cannot_be_staged_is_named(tmp_path):
     with pytest.raises(RuntimeError, match=r"cannot stage 'model\.layers\[1\]\.w' \(torch\.float32, shape \(2, 3\), on meta\)"):
         writer.stage({"model": {"layers": [{"w": torch.ones(2)}, {"w": torch.empty(2, 3, device="meta")}]}})
     writer.stage({"t": torch.ones(3)})  # the failed stage released the slab
+
+
+def test_the_save_thread_yields_the_gil_once_to_the_caller(tmp_path, monkeypatch):
+    """After stage() on the caller's thread, the save thread's first call (reset) gives up the GIL
+    once, so the caller of async_save does not wait for the interpreter's switch interval."""
+    from fastdcp.save import writer as W
+
+    yields: list[tuple[float, str]] = []
+    real_sleep = W.time.sleep
+
+    def spy(seconds):
+        yields.append((seconds, threading.current_thread().name))
+        real_sleep(seconds)
+
+    monkeypatch.setattr(W.time, "sleep", spy)
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 3}
+    writer = FastFileSystemWriter(tmp_path / "a")
+    for i in range(2):
+        path = tmp_path / f"save{i}"
+        future = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, no_dist=True)
+        getattr(future, "upload_completion", future).result()
+        C.load_in_place_and_check(dcp.FileSystemReader(path), state, {"w": torch.zeros(1000), "step": None})
+        assert len(yields) == i + 1, yields  # once per save
+        seconds, thread = yields[-1]
+        assert seconds == 0 and thread != threading.current_thread().name
+    # a blocking save on the thread that staged (or a writer that never staged) does not yield
+    dcp.save(state, checkpoint_id=tmp_path / "sync", storage_writer=writer, no_dist=True)
+    dcp.save(state, checkpoint_id=tmp_path / "sync2", storage_writer=FastFileSystemWriter(tmp_path / "b"),
+             no_dist=True)
+    assert len(yields) == 2
