@@ -16,6 +16,7 @@ import warnings
 from dataclasses import asdict
 
 from fastdcp.bench.concurrency import _append, describe_error, make_state
+from fastdcp.bench.process_group import stop_checkpoint_daemon
 
 PAUSE_NOTES = "phases"           # in the control directory: the paused save notes its phase here
 TRIGGER_TIMEOUT_S = 120.0        # the daemon of a process-mode save starts a Python with torch
@@ -66,22 +67,8 @@ def previous_job_async_save(directory: str, control: str, records: str, state: i
         error = describe_error(exc)
     _append(records, {"job": "previous", "event": "end", "t": time.monotonic(), "ok": error is None,
                       "error": None if error is None else asdict(error)})
-    _stop_checkpoint_daemon()
+    stop_checkpoint_daemon()
     dist.destroy_process_group()
-
-
-def _stop_checkpoint_daemon() -> None:
-    """Ask DCP's process-mode daemon to exit (it would otherwise outlive this job, which ends
-    with ``os._exit``, until it notices its pipe closed)."""
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as executor
-
-        daemon = executor._CHECKPOINT_PROCESS
-        if daemon is not None:
-            executor._CHECKPOINT_PROCESS = None
-            daemon.__del__()
-    except Exception:  # noqa: BLE001 - best effort: a private torch detail that may move
-        pass
 
 
 def new_job_blocking_save(directory: str, control: str, records: str, state: int, tensors: int,

@@ -47,9 +47,26 @@ class OneRankGroup:
         self.close()
 
 
+def stop_checkpoint_daemon() -> None:
+    """Ask DCP's process-mode ``async_save`` daemon of this process, if any, to exit and wait for
+    it (up to DCP's 5 s). Interpreter finalization would do it; a process that ends with
+    ``os._exit`` must, or the daemon outlives it until it notices its pipe closed. Best effort:
+    the daemon is a private detail of torch that may move."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+
+        daemon = executor._CHECKPOINT_PROCESS
+        if daemon is not None:
+            executor._CHECKPOINT_PROCESS = None
+            daemon.__del__()
+    except Exception:  # noqa: BLE001 - best effort, see above
+        pass
+
+
 def exit_spawned_rank(status: int = 0) -> NoReturn:
-    """Destroy this process's default process group, flush stdout/stderr and end the process
-    with ``status`` at once, without interpreter finalization.
+    """Stop DCP's process-mode daemon (:func:`stop_checkpoint_daemon`), destroy this process's
+    default process group, flush stdout/stderr and end the process with ``status`` at once,
+    without interpreter finalization.
 
     Precondition: the rank's outcome is already reported (its files written and closed): nothing
     after this call runs, no ``atexit`` handler, no ``finally`` of a caller. A failure of
@@ -67,6 +84,7 @@ def exit_spawned_rank(status: int = 0) -> NoReturn:
     """
     import torch.distributed as dist
 
+    stop_checkpoint_daemon()
     try:
         if dist.is_initialized():
             dist.destroy_process_group()

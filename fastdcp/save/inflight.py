@@ -178,7 +178,7 @@ def claim(directory: str, token: str) -> bool:
         if fd >= 0:
             try:
                 os.write(fd, content)
-                os.link(f"/proc/self/fd/{fd}", path)
+                _link_anonymous(fd, directory, marker_name(token))
                 return True
             except FileExistsError:
                 return False
@@ -202,6 +202,22 @@ def claim(directory: str, token: str) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def _link_anonymous(fd: int, directory: str, name: str) -> None:
+    """Give the ``O_TMPFILE`` inode open as ``fd`` the name ``name`` in ``directory``.
+
+    This must be ``linkat(..., AT_SYMLINK_FOLLOW)`` on ``/proc/self/fd/{fd}``: Python's
+    ``os.link`` without a directory fd calls plain ``link()``, which does not follow that magic
+    link and fails with EXDEV, so the marker used to be created empty and then written, and a
+    process killed in between left an empty marker that counts as live until it is stale.
+    ``dst_dir_fd`` makes Python call ``linkat`` with the flag. Raises ``FileExistsError`` when the
+    name exists, ``OSError`` when the filesystem refuses."""
+    directory_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=directory_fd, follow_symlinks=True)
+    finally:
+        os.close(directory_fd)
 
 
 def release(directory: str, token: str) -> None:

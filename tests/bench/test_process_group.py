@@ -53,3 +53,4 @@ def test_the_group_is_destroyed_first(tmp_path):
     """)
     assert done.returncode == 0, done.stderr
     assert "initialized at exit: False" in done.stdout
+

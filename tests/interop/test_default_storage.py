@@ -34,6 +34,7 @@ import dcp_cases as C
 import fastdcp
 from fastdcp import FastFileSystemReader, FastFileSystemWriter, HookNotFoundError
 from fastdcp import default_storage
+from fastdcp.bench.process_group import exit_spawned_rank
 
 FAST_NAME = re.compile(r"__(\d+)_[0-9a-f]{8}_\d+\.distcp")
 STOCK_NAME = re.compile(r"__(\d+)_\d+\.distcp")
@@ -390,8 +391,7 @@ def _worker(rank: int, root: str) -> None:
         report["error"] = traceback.format_exc()
     finally:
         Path(root, f"report{rank}.json").write_text(json.dumps(report))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    exit_spawned_rank()  # the report carries the verdict
 
 
 @pytest.mark.fastdcp_timeout(240)

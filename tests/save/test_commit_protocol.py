@@ -166,6 +166,45 @@ def test_tokens_are_claimed_exclusively(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+def test_a_marker_appears_complete_in_one_step(tmp_path, monkeypatch, where):
+    """On Linux filesystems with O_TMPFILE (ext4 here, tmpfs) the marker is written into an
+    anonymous inode and then linked into place: it is never created empty and filled afterwards,
+    so a process killed while claiming cannot leave an empty marker (which counts as live until
+    it is stale)."""
+    import tempfile
+
+    if not hasattr(os, "O_TMPFILE"):
+        pytest.skip("no O_TMPFILE on this platform")
+    if where == "shm":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        directory = tempfile.mkdtemp(dir="/dev/shm")
+    else:
+        directory = str(tmp_path)
+    opened: list[tuple[str, int]] = []
+    real_open = inflight.os.open
+
+    def spy(path, flags, *args, **kwargs):
+        opened.append((str(path), flags))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(inflight.os, "open", spy)
+    try:
+        assert inflight.claim(directory, "c0ffee00")
+        marker = os.path.join(directory, inflight.marker_name("c0ffee00"))
+        assert not [p for p, flags in opened if p == marker and flags & os.O_CREAT], (
+            f"the marker was created by name, then written: {opened}"
+        )
+        assert json.loads(Path(marker).read_text())["pid"] == os.getpid()
+        assert not inflight.claim(directory, "c0ffee00")  # still exclusive
+    finally:
+        if where == "shm":
+            import shutil
+
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_a_successful_save_leaves_no_marker(tmp_path):
     _save(tmp_path, _state(1))
     _save(tmp_path, _state(2))

@@ -131,11 +131,17 @@ def _assert_nothing_leaked(before: _Resources) -> None:
 
 @pytest.fixture
 def resources(tmp_path):
-    """Resources after a warm-up save and load (the writer's and the reader's engines start their
-    threads once per process) and a parallel torch operation (torch's intra-op pool too)."""
+    """Resources after warm-up saves and loads (the writer's and the reader's engines start their
+    threads once per process and configuration; writes to a memory filesystem use their own
+    thread count, so one warm-up goes to /dev/shm) and a parallel torch operation (torch's
+    intra-op pool too)."""
     warmup = _state(0.1, 0)
     _save(tmp_path / "warmup", warmup)
     _assert_loads(tmp_path / "warmup", warmup)
+    if os.path.isdir("/dev/shm"):
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+            _save(Path(shm) / "warmup", warmup)
+            _assert_loads(Path(shm) / "warmup", warmup)
     torch.randn(1 << 22).to(torch.bfloat16).float().sum()
     before = _resources()
     assert before.engine_threads > 0, "the warm-up save started no named fastdcp-io thread"
