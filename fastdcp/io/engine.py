@@ -142,15 +142,19 @@ class IoOptions:
         return max(1, min(self.io_threads, cpu_share()))
 
 
+def local_world_size() -> int:
+    """The ranks of this node (torchrun's ``LOCAL_WORLD_SIZE``); 1 without it or when unreadable."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def cpu_share() -> int:
     """The CPUs this process may run on (its affinity), divided among the ranks of this node
-    (``LOCAL_WORLD_SIZE``, 1 without it); at least 1."""
+    (:func:`local_world_size`); at least 1."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks = 1
-    return max(1, cpus // ranks)
+    return max(1, cpus // local_world_size())
 
 
 _engines: dict[tuple[int, int, int], "_C.Engine"] = {}

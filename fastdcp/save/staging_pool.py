@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..io.engine import env_bytes
+from ..io.engine import env_bytes, local_world_size
 from ..io.host_memory import HostSlab, allocate_slab, slab_bytes
 
 __all__ = [
@@ -88,11 +88,7 @@ def default_limit() -> int:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # pragma: no cover - not Linux
         physical = 16 << 30
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks = 1
-    return physical // (4 * ranks)
+    return physical // (4 * local_world_size())
 
 
 class _Slot:
