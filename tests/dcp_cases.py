@@ -21,7 +21,8 @@ import io
 import math
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -627,3 +628,32 @@ def deepcopy_state_dict(sd):
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0", "false", "False")
+
+
+def message_tail(msg: str, limit: int) -> str:
+    """The last ``limit`` characters of a worker's message (a traceback ends with its cause)."""
+    msg = msg.strip()
+    return msg if len(msg) <= limit else "..." + msg[-limit:]
+
+
+@contextmanager
+def gloo_rank_mesh(rank: int, store: str, world_size: int = 2) -> Iterator[Any]:
+    """In a spawned rank: a gloo default group over ``file://{store}`` and a 1-D CPU device mesh
+    for the body. The group is destroyed afterwards; when the body succeeded, the process then
+    ends at once (:func:`fastdcp.bench.process_group.exit_spawned_rank`, which avoids torch's
+    gloo abort at interpreter exit); a failure propagates to ``torch.multiprocessing``."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastdcp.bench.process_group import exit_spawned_rank
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+    exit_spawned_rank()

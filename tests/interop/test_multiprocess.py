@@ -411,7 +411,7 @@ class MPResults:
                     for r in got:
                         n_checked += 1
                         if not r["ok"]:
-                            problems.append(f"{name} rank {r['rank']}: FAILED\n{_short(r['msg'])}")
+                            problems.append(f"{name} rank {r['rank']}: FAILED\n{C.message_tail(r['msg'], 3000)}")
         expected = sum(ws_load for _, ws_load in WS_PAIRS) * len(PLACEMENTS) ** 2
         if problems:
             head = (f"{len(problems)} problem(s) for writer={writer} reader={reader} "
@@ -420,11 +420,6 @@ class MPResults:
             more = f"\n... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
             raise AssertionError(head + "\n\n".join(shown) + more)
         assert n_checked == expected, f"only {n_checked}/{expected} rank-loads were checked"
-
-
-def _short(msg: str, limit: int = 3000) -> str:
-    msg = msg.strip()
-    return msg if len(msg) <= limit else "..." + msg[-limit:]
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 import _scale_worker as W
+import dcp_cases as C
 
 MP_TIMEOUT_S = float(os.environ.get("FASTDCP_MP_TIMEOUT", "240"))  # all process groups together
 # Ranks are forked from a forkserver that imported torch, fastdcp and the worker once (spawn would
@@ -214,18 +215,13 @@ class ScaleResults:
     def check(self, world_size: int, /, **match: Any) -> list[dict]:
         """The records matching ``match``: one per rank of a ``world_size``-rank group, all ok."""
         got = [r for r in self.records if all(r.get(k) == v for k, v in match.items())]
-        problems = [f"rank {r['rank']}: FAILED\n{_short(r['msg'])}" for r in got if not r["ok"]]
+        problems = [f"rank {r['rank']}: FAILED\n{C.message_tail(r['msg'], 4000)}" for r in got if not r["ok"]]
         ranks = sorted(r["rank"] for r in got)
         if ranks != list(range(world_size)):
             problems.insert(0, f"ranks reporting: {ranks}, expected 0..{world_size - 1} once each (crash or timeout?)")
         if problems:
             raise AssertionError(f"{match}:\n" + "\n\n".join(problems[:8]) + "\n\n" + self.summary())
         return got
-
-
-def _short(msg: str, limit: int = 4000) -> str:
-    msg = msg.strip()
-    return msg if len(msg) <= limit else "..." + msg[-limit:]
 
 
 @pytest.fixture(scope="module")

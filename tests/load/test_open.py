@@ -5,7 +5,6 @@ and the errors for missing keys and damaged checkpoints."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import random
 import shutil
@@ -20,7 +19,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 import dcp_cases as C
 import fastdcp
 from fastdcp import CheckpointFormatError, CheckpointNotFoundError
-from fastdcp.bench.process_group import exit_spawned_rank
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", message=".*quantize.*deprecated")
@@ -236,22 +234,13 @@ def _full(name: str) -> torch.Tensor:
 
 
 def _dtensor_worker(rank: int, store: str, root: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        mesh = init_device_mesh("cpu", (2,))
+    with C.gloo_rank_mesh(rank, store) as mesh:
         state = {"s0": distribute_tensor(_full("s0"), mesh, [Shard(0)]),
                  "s1": distribute_tensor(_full("s1"), mesh, [Shard(1)])}
         for kind in KINDS:
             dcp.save(state, storage_writer=_writer(kind, os.path.join(root, kind)))
-    finally:
-        dist.destroy_process_group()
-    exit_spawned_rank()  # reached only when the saves succeeded; a failure propagates to spawn
 
 
 @pytest.fixture(scope="module")

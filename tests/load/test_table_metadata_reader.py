@@ -8,7 +8,6 @@ path outside the checkpoint, or does not match its ``.metadata`` is ignored with
 from __future__ import annotations
 
 import copy
-import datetime
 import logging
 import os
 import pickle
@@ -34,7 +33,6 @@ from fastdcp.format.chunk_index import metadata_facts, write_chunk_index
 from fastdcp.format.chunk_table import ChunkTable, table_from_metadata, table_to_metadata
 from fastdcp.format.metadata import CheckpointFormatError, parse_metadata
 from fastdcp.format.metadata_emit import write_metadata
-from fastdcp.bench.process_group import exit_spawned_rank
 from fastdcp.format.table_metadata import TableMetadata, TableStorageData
 from fastdcp.io.checkpoint_files import file_extents
 from fastdcp.load import metadata_cache as MC
@@ -354,22 +352,13 @@ def _full(name: str) -> torch.Tensor:
 
 
 def _dtensor_worker(rank: int, store: str, root: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        mesh = init_device_mesh("cpu", (2,))
+    with C.gloo_rank_mesh(rank, store) as mesh:
         state = {"s0": distribute_tensor(_full("s0"), mesh, [Shard(0)]),
                  "s1": distribute_tensor(_full("s1"), mesh, [Shard(1)]),
                  "plain": _full("plain")}
         dcp.save(state, storage_writer=FastFileSystemWriter(os.path.join(root, "ckpt")))
-    finally:
-        dist.destroy_process_group()
-    exit_spawned_rank()  # reached only when the save succeeded; a failure propagates to spawn
 
 
 @pytest.mark.fastdcp_timeout(180)
