@@ -112,22 +112,33 @@ def plan_globally_in_bulk(plans: list[tuple[RankColumns, ItemStructure]], to_low
         items = len(f.structure.fqns)
         if not items:
             continue
-        numbers = b"".join(plans[r][0].numbers for r in group)
-        padded = torch.zeros((len(group), f.structure.number_count + 1), dtype=torch.int64)
-        if f.structure.number_count:
-            padded[:, :-1] = torch.frombuffer(bytearray(numbers), dtype=torch.int64).view(len(group), -1)
+        # The group's numbers, one row per rank with a zero appended (what the gather indices
+        # of a missing number read); bytearray().join copies once and stays writable.
+        count = f.structure.number_count
+        padded = torch.zeros((len(group), count + 1), dtype=torch.int64)
+        if count:
+            numbers = bytearray().join(plans[r][0].numbers for r in group)
+            padded[:, :-1] = torch.frombuffer(numbers, dtype=torch.int64).view(len(group), -1)
+            del numbers
         hint_index, offset_index, length_index = f.structure.gather_indices()
         g_width = offset_index.shape[1]
-        where = (row_start[torch.tensor(group)].unsqueeze(1) + torch.arange(items)).reshape(-1)
-        fqn_of_row[where] = f.fqn_ids.repeat(len(group))
-        shard_row[where] = f.is_shard.repeat(len(group))
-        bytes_row[where] = f.is_bytes.repeat(len(group))
-        size_row[where] = f.item_bytes.repeat(len(group))
         hints = padded[:, hint_index]
         hints[:, f.is_bytes] = NO_HINT
-        hint_row[where] = hints.reshape(-1)
-        offsets[where, :g_width] = padded[:, offset_index].reshape(-1, g_width)
-        lengths[where, :g_width] = padded[:, length_index].reshape(-1, g_width)
+        group_offsets = padded[:, offset_index]
+        group_lengths = padded[:, length_index]
+        del padded
+        # Ranks of one structure are mostly consecutive (FSDP: all ranks, or all but the last
+        # few), so their rows are one span: filled by broadcasting copies, not by an index.
+        for first, end in _consecutive_runs(group):
+            span = slice(int(row_start[group[first]]), int(row_start[group[end - 1] + 1]))
+            runs = end - first
+            fqn_of_row[span].view(runs, items).copy_(f.fqn_ids)
+            shard_row[span].view(runs, items).copy_(f.is_shard)
+            bytes_row[span].view(runs, items).copy_(f.is_bytes)
+            size_row[span].view(runs, items).copy_(f.item_bytes)
+            hint_row[span].view(runs, items).copy_(hints[first:end])
+            offsets[span, :g_width].unflatten(0, (runs, items)).copy_(group_offsets[first:end])
+            lengths[span, :g_width].unflatten(0, (runs, items)).copy_(group_lengths[first:end])
 
     keep = _dedup(fqn_of_row, offsets, rank_of_row, size_row, ranks, to_lowest_rank)
     kept = keep.nonzero().squeeze(1) if keep is not None else torch.arange(rows)
@@ -158,19 +169,33 @@ def plan_globally_in_bulk(plans: list[tuple[RankColumns, ItemStructure]], to_low
 
     kept_start = torch.zeros(ranks + 1, dtype=torch.int64)
     kept_start[1:] = torch.cumsum(torch.bincount(rank_of_row[kept], minlength=ranks), 0)
-    global_items = []
+    # Every rank's slices of three byte strings made once (per-rank tensor_bytes calls cost
+    # more than the copies at thousands of ranks).
     bounds = kept_start.tolist()
     starts = row_start.tolist()
-    keep_bytes = None if keep is None else keep.to(torch.uint8)
+    all_keep = None if keep is None else tensor_bytes(keep.to(torch.uint8))
+    all_hints, all_rows = tensor_bytes(new_hints), tensor_bytes(table_rows)
+    global_items = []
     for rank, (columns, _) in enumerate(plans):
+        kept_lo, kept_hi = bounds[rank], bounds[rank + 1]
         mask = None
-        if keep_bytes is not None:
-            local = keep_bytes[starts[rank]: starts[rank + 1]]
-            if bounds[rank + 1] - bounds[rank] != starts[rank + 1] - starts[rank]:
-                mask = tensor_bytes(local)
-        span = slice(bounds[rank], bounds[rank + 1])
-        global_items.append(GlobalItems(columns.token, mask, tensor_bytes(new_hints[span]), tensor_bytes(table_rows[span])))
+        if all_keep is not None and kept_hi - kept_lo != starts[rank + 1] - starts[rank]:
+            mask = all_keep[starts[rank]: starts[rank + 1]]
+        global_items.append(GlobalItems(columns.token, mask, all_hints[8 * kept_lo: 8 * kept_hi],
+                                        all_rows[8 * kept_lo: 8 * kept_hi]))
     return BulkGlobalPlan(table, global_items, table_rows, kept_start)
+
+
+def _consecutive_runs(group: list[int]) -> list[tuple[int, int]]:
+    """``group`` (ascending ranks) as maximal runs of consecutive ranks: (start, end) positions
+    in ``group``."""
+    runs = []
+    start = 0
+    for i in range(1, len(group) + 1):
+        if i == len(group) or group[i] != group[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    return runs
 
 
 def _dedup(fqn_of_row: torch.Tensor, offsets: torch.Tensor, rank_of_row: torch.Tensor, size_row: torch.Tensor,
@@ -228,7 +253,9 @@ def _row_keys(fqn_of_row: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if bound * radix >= 1 << 62:
             fits = False
             break
-        key = key * radix + (column - low)
+        key.mul_(radix).add_(column)  # in place: rows x 8 bytes per temporary at scale
+        if low:
+            key.sub_(low)
         bound *= radix
     if fits:
         return key
@@ -257,6 +284,6 @@ def _table(plans, facts, fqn_ids, entry_fqns, entry_start, kept, order, offsets,
         properties=properties,
         sizes=sizes,
         row_start=entry_start,
-        offsets=offsets[table_kept],
-        lengths=lengths[table_kept],
+        offsets=offsets.index_select(0, table_kept),
+        lengths=lengths.index_select(0, table_kept),
     )

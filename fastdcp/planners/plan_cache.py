@@ -6,6 +6,7 @@ of save and load plans (per process; they hold no tensors).
 from __future__ import annotations
 
 import pickle
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -195,9 +196,11 @@ del _name
 
 
 class _PackedMapping(dict):
-    """A plan's ``planner_data`` (the flatten mapping: fqn -> object path) that pickles as one blob,
-    computed once. Every rank of an FSDP job sends the same mapping; the coordinator keeps what a
-    blob unpickled to, so N identical mappings cost one decode and one object. Read-only by
+    """A plan's ``planner_data`` (the flatten mapping: fqn -> object path) that pickles as one
+    compressed blob, computed once. Every rank of an FSDP job sends the same mapping; the
+    coordinator keeps what a blob unpickled to, so N identical mappings cost one decode and one
+    object (and, compressed, ~10x fewer of the bytes the gather moves and allocates: the
+    mapping's repeated path strings were most of a first-save local plan). Read-only by
     convention, like the item lists (the unpickled object is shared)."""
 
     __slots__ = ("_blob",)
@@ -208,7 +211,7 @@ class _PackedMapping(dict):
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         if self._blob is None:
-            self._blob = pickle.dumps(dict(self), protocol=pickle.HIGHEST_PROTOCOL)
+            self._blob = zlib.compress(pickle.dumps(dict(self), protocol=pickle.HIGHEST_PROTOCOL), 1)
             current_process_state().unpacked.remember(self._blob, self)
         return (_unpack_mapping, (self._blob,))
 
@@ -217,7 +220,7 @@ def _unpack_mapping(blob: bytes) -> _PackedMapping:
     mapping = current_process_state().unpacked.get(blob)
     if type(mapping) is not _PackedMapping:
         with gc_paused():
-            mapping = _PackedMapping(pickle.loads(blob))
+            mapping = _PackedMapping(pickle.loads(zlib.decompress(blob)))
         mapping._blob = blob
         current_process_state().unpacked.remember(blob, mapping)
     return mapping

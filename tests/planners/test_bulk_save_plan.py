@@ -44,9 +44,12 @@ def _row_split(n: int, ranks: int, rank: int) -> tuple[int, int]:
     return start, max(0, min(n, start + step) - start)
 
 
-def _fsdp_plans(ranks: int, rng: random.Random) -> list[list[WriteItem]]:
+def _fsdp_plans(ranks: int, rng: random.Random, orders: int | None = None) -> list[list[WriteItem]]:
     """Local plans as FSDP2 + AdamW give them: Shard(0) DTensors (uneven, some empty shards),
-    0-d step tensors and objects replicated on every rank, a rank-only tensor."""
+    0-d step tensors and objects replicated on every rank, a rank-only tensor. Each rank's items
+    in an order of its own, or (``orders``) in one of that many orders, so that ranks share a
+    plan structure in runs of consecutive ranks and interleaved."""
+    templates: list[list[int]] = []
     shapes = {f"layer{i}.w": (rng.randint(1, 9), rng.randint(1, 12)) for i in range(6)}
     shapes["norm"] = (rng.randint(1, 7),)
     plans = []
@@ -62,7 +65,12 @@ def _fsdp_plans(ranks: int, rng: random.Random) -> list[list[WriteItem]]:
         if rank == ranks - 1:
             items.append(_shard(f"only{rank}", (3, 2), (0, 0), (3, 2), dtype=torch.bfloat16, hint=0,
                                 kind=WriteItemType.TENSOR))
-        rng.shuffle(items)
+        if orders and rank != ranks - 1:
+            if not templates:
+                templates = [rng.sample(range(len(items)), len(items)) for _ in range(orders)]
+            items = [items[i] for i in rng.choice(templates)]
+        else:
+            rng.shuffle(items)
         plans.append(items)
     return plans
 
@@ -93,10 +101,11 @@ def _send(processes, plans: list[list[WriteItem]]) -> list[bytes]:
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("to_lowest", [False, True])
-def test_bulk_global_plan_equals_item_by_item(processes, seed, to_lowest):
+@pytest.mark.parametrize("orders", [None, 2])
+def test_bulk_global_plan_equals_item_by_item(processes, seed, to_lowest, orders):
     rng = random.Random(seed)
-    ranks = rng.choice([1, 2, 3, 5, 8])
-    plans = _fsdp_plans(ranks, rng)
+    ranks = rng.choice([1, 2, 3, 5, 8]) if orders is None else rng.choice([4, 7, 13])
+    plans = _fsdp_plans(ranks, rng, orders)
     expected_items, expected_md = _reference(plans, to_lowest)
 
     sent = _send(processes, plans)
@@ -176,6 +185,26 @@ def test_duplicate_non_shard_key_asserts_like_stock(processes):
         columns = PC._PackedItems(twice).columns()
         with pytest.raises(AssertionError):
             plan_globally_in_bulk([columns], False)
+
+
+def test_the_flatten_mapping_travels_compressed_and_is_decoded_once(processes):
+    """A local plan's planner_data (FSDP ranks send the same flatten mapping) crosses the gather
+    as one compressed blob: small, equal to the mapping, and one shared object on the
+    coordinator however many ranks send it."""
+    mapping = {f"model.layers.{i}.mlp.down_proj.weight.exp_avg": ("optim", "state", f"model.layers.{i}", "exp_avg")
+               for i in range(300)}
+    sent = []
+    for rank in range(3):
+        with PC.simulated_process(processes(rank)):
+            sent.append(pickle.dumps(SavePlan([], planner_data=PC._PackedMapping(mapping))))
+    raw = len(pickle.dumps(mapping, protocol=pickle.HIGHEST_PROTOCOL))
+    assert all(len(blob) < raw / 4 for blob in sent), (raw, [len(b) for b in sent])
+    with PC.simulated_process(processes("coordinator")):
+        received = [pickle.loads(blob) for blob in sent]
+        again = pickle.dumps(received[0])  # the scatter sends it back the same way
+    assert all(plan.planner_data == mapping for plan in received)
+    assert all(plan.planner_data is received[0].planner_data for plan in received)
+    assert len(again) < raw / 4
 
 
 def test_global_items_pickle_small(processes):
