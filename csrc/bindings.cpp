@@ -301,7 +301,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
       py::arg("files"), py::arg("data_only") = false)
     .def(
       "box_copy",
-      [](Engine& engine, const py::list& boxes) {
+      [](Engine& engine, const py::list& boxes, bool streaming) {
         // boxes: [(src_addr, dst_addr, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride)]
         std::vector<fastdcp::BoxCopy> native(boxes.size());
         size_t i = 0;
@@ -330,9 +330,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           fastdcp::simplify_box(b);
         }
         py::gil_scoped_release release;
-        fastdcp::box_copy_cpu(native.data(), native.size(), engine.pool());
+        fastdcp::box_copy_cpu(native.data(), native.size(), engine.pool(), size_t{1} << 20, streaming);
       },
-      py::arg("boxes"), "Batched strided copy (with dtype conversion) on the engine's threads.")
+      py::arg("boxes"), py::arg("streaming") = false,
+      "Batched strided copy (with dtype conversion) on the engine's threads; streaming: non-temporal "
+      "stores for large equal-dtype runs (for destinations already faulted in).")
     .def("stats", [](const Engine& engine) {
       auto s = engine.stats();
       py::dict d;

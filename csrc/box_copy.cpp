@@ -1,5 +1,6 @@
 #include "box_copy.hpp"
 
+#include "stream_copy.hpp"
 #include "thread_pool.hpp"
 
 #include <algorithm>
@@ -218,11 +219,17 @@ void strided_copy_fixed(const std::byte* src, int64_t src_stride, std::byte* dst
   }
 }
 
+template <bool kStreaming>
 void byte_copy_run(const std::byte* src, int64_t src_stride, std::byte* dst, int64_t dst_stride,
                    int64_t n, int32_t elem_size)
 {
   if (src_stride == 1 && dst_stride == 1) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * static_cast<size_t>(elem_size));
+    const auto nbytes = static_cast<size_t>(n) * static_cast<size_t>(elem_size);
+    if constexpr (kStreaming) {
+      stream_copy(dst, src, nbytes);
+    } else {
+      std::memcpy(dst, src, nbytes);
+    }
     return;
   }
   switch (elem_size) {
@@ -294,9 +301,9 @@ RunCopier converter(ScalarKind from, ScalarKind to)
   }
 }
 
-RunCopier run_copier_for(const BoxCopy& box)
+RunCopier run_copier_for(const BoxCopy& box, bool streaming)
 {
-  if (box_is_byte_copy(box)) { return &byte_copy_run; }
+  if (box_is_byte_copy(box)) { return streaming ? &byte_copy_run<true> : &byte_copy_run<false>; }
   return converter(static_cast<ScalarKind>(box.src_kind), static_cast<ScalarKind>(box.dst_kind));
 }
 
@@ -573,7 +580,8 @@ int64_t box_element_prefix(const BoxCopy* boxes, size_t num_boxes, int64_t* pref
   return prefix[num_boxes];
 }
 
-void box_copy_cpu(const BoxCopy* boxes, size_t num_boxes, ThreadPool& pool, size_t grain_bytes)
+void box_copy_cpu(const BoxCopy* boxes, size_t num_boxes, ThreadPool& pool, size_t grain_bytes,
+                  bool streaming)
 {
   if (num_boxes == 0) { return; }
   grain_bytes = std::max<size_t>(grain_bytes, 1);
@@ -583,7 +591,7 @@ void box_copy_cpu(const BoxCopy* boxes, size_t num_boxes, ThreadPool& pool, size
   for (size_t i = 0; i < num_boxes; ++i) {
     validate_box(simplified[i]);
     simplify_box(simplified[i]);
-    copiers[i] = run_copier_for(simplified[i]);
+    copiers[i] = run_copier_for(simplified[i], streaming);
   }
 
   // Plan: small boxes accumulate into one task until it holds ~grain_bytes; a box above the grain

@@ -101,10 +101,14 @@ int64_t box_element_prefix(const BoxCopy* boxes, size_t num_boxes, int64_t* pref
 /// like static_cast for in-range values (out-of-range values and NaN give what torch gives on x86:
 /// the int32/int64 "indefinite" value narrowed, u8 via int64); to bool is `value != 0` (NaN is
 /// true); NaN to bf16 gives 0x7FC0, NaN to f16 keeps the sign and gives 0x7E00.
+/// With `streaming`, equal-kind contiguous runs go through stream_copy (non-temporal stores, see
+/// stream_copy.hpp): faster where the destination is already faulted in and not read again soon
+/// (a reused staging slab), about twice as slow into fresh pages (the kernel zeroes each page into
+/// the cache, then the streaming store evicts it), so callers opt in.
 /// Preconditions: destination regions of all boxes are pairwise disjoint and do not overlap any
 /// source region; every pointer is valid for the whole call.
 void box_copy_cpu(const BoxCopy* boxes, size_t num_boxes, ThreadPool& pool,
-                  size_t grain_bytes = size_t{1} << 20);
+                  size_t grain_bytes = size_t{1} << 20, bool streaming = false);
 
 /// Round-to-nearest-even float -> bfloat16 bits (NaN -> 0x7FC0). Exposed for tests.
 uint16_t float_to_bfloat16_bits(float value);

@@ -19,7 +19,9 @@ values of the moment ``stage`` was called (no tensor of the result aliases a liv
   memory cap; over it they wait, see :mod:`fastdcp.save.staging_pool`).
 * **Devices.** CUDA tensors are copied device-to-host with ``non_blocking`` copies on a side stream
   (ordered after the work already queued on the tensor's current stream), then the side stream is
-  synchronised once. CPU tensors are copied with ``Tensor.copy_``.
+  synchronised once. Plain contiguous CPU tensors are copied by the engine's ``box_copy`` (on
+  every CPU of the rank; with streaming stores into a reused slab), other CPU tensors with
+  ``Tensor.copy_``.
 
 Non-tensor values are deep-copied (stock ``BlockingAsyncStager`` does the same). DTensor and
 ShardedTensor keep their sharding metadata and get staged local tensors.
@@ -171,10 +173,27 @@ def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], co
     return copier
 
 
-def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: list[str]) -> None:
-    """Copy every source into its view (:func:`_enqueue_copies`); device copies are waited for once
-    at the end."""
-    copier = _enqueue_copies(zip(views, sources, paths))
+def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: list[str], engine: Any = None,
+               streaming: bool = False) -> None:
+    """Copy every source into its view and return when all are there. With ``engine``, plain
+    contiguous host sources go in one batched ``box_copy`` on the engine's threads, while device
+    copies, enqueued first, run behind it; everything else goes through :func:`_enqueue_copies`.
+    Device copies are waited for once at the end. ``streaming``: the views are already faulted in
+    (a reused slab), so ``box_copy`` writes them with streaming stores (1 GiB in 36 ms against
+    48 ms for ``copy_``, on the development VM); into fresh pages streaming stores are twice as
+    slow (see ``box_copy.hpp``), so a new slab is filled with plain stores."""
+    boxes, others = [], []
+    for view, source, path in zip(views, sources, paths):
+        box = _raw_box(view, source.detach()) if engine is not None else None
+        if box is None:
+            others.append((view, source, path))
+        elif box[6][0] > 0:
+            boxes.append(box)
+    # Device sources first, so that their copies overlap with the host copies.
+    others.sort(key=lambda entry: entry[1].device.type != "cuda")
+    copier = _enqueue_copies(others)
+    if boxes:
+        engine.box_copy(boxes, streaming)  # the caller keeps the sources and views referenced
     if copier is not None:
         copier.wait(copier.record())
 
@@ -258,8 +277,10 @@ class StateDictStager:
             self.slabs_allocated += stage.lease.fresh
             self.last_report = report
 
-    def stage(self, state_dict: Any) -> Any:
-        """Copy ``state_dict`` into a slab and return the staged copy, complete."""
+    def stage(self, state_dict: Any, engine: Any = None) -> Any:
+        """Copy ``state_dict`` into a slab and return the staged copy, complete. ``engine``: the
+        engine whose threads copy plain contiguous host tensors (the caller is blocked anyway, so
+        the writer passes one with a thread per CPU of this rank); without it, ``copy_``."""
         t0 = time.perf_counter()
         found = list(_slab_tensors(state_dict))
         sources = [tensor for tensor, _ in found]
@@ -267,7 +288,7 @@ class StateDictStager:
         lease, views = self._lease_views(sources)
         try:
             with torch.no_grad():
-                _copy_into(views, sources, paths)
+                _copy_into(views, sources, paths, engine, streaming=not lease.fresh)
                 staged = _rebuild(state_dict, iter(views))
         except BaseException:
             lease.release()
@@ -342,7 +363,7 @@ class StateDictStager:
             # host_boxes hold raw addresses: the sources and the slab views must outlive the copy
             # even if the caller drops its state dict meanwhile (keep_alive holds them).
             if host_boxes:
-                engine.box_copy(host_boxes)
+                engine.box_copy(host_boxes, not lease.fresh)  # see _copy_into
             with torch.no_grad():
                 _enqueue_copies(host_copies)  # host sources only: copied here and now
             if copier is not None:

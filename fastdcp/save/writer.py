@@ -44,7 +44,7 @@ from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
 from ..format.table_metadata import TableMetadata, TableStorageData
 from ..io.committed_metadata import CommittedIndex
-from ..io.engine import DIRECT_ALIGN, IoOptions, default_copy_threads, env_bytes, env_flag, get_engine
+from ..io.engine import DIRECT_ALIGN, IoOptions, cpu_share, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
 from .async_staging import StagingFuture, StagingReport
 from . import inflight
@@ -220,7 +220,9 @@ class FastFileSystemWriter(FileSystemWriter):
             self._stager = StateDictStager()
         self._staged_on_thread = threading.get_ident()
         if not self.async_staging:
-            return self._stager.stage(state_dict)
+            # The caller waits for this copy, so it may use every CPU of this rank.
+            stage_engine = get_engine(dataclasses.replace(self.io_options, io_threads=cpu_share()))
+            return self._stager.stage(state_dict, stage_engine)
         copy_engine = get_engine(dataclasses.replace(self.io_options, io_threads=default_copy_threads()))
         return self._stager.stage_overlapped(
             state_dict, copy_engine, self.staging_budget_bytes, guarded_storage_keys()

@@ -139,6 +139,35 @@ def test_async_saves_reuse_the_slab_and_hold_the_values_at_call_time(tmp_path):
     assert writer._stager.slabs_allocated == 1, "a state of unchanged structure got a new staging slab"
 
 
+def test_a_reused_slab_is_refilled_exactly_from_unaligned_sources(tmp_path):
+    """The second stage of a structure, through a new writer, refills the pool's slab with
+    streaming stores (runs of 256 KiB and up): sources at odd addresses and byte counts off the
+    64-byte line must land exactly."""
+    def state(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        raw = torch.randint(0, 256, (400_004,), dtype=torch.uint8, generator=g)
+        return {
+            "odd_bytes": raw[1:],  # data at an odd address, 400,003 bytes
+            "odd_halves": torch.randn(300_001, generator=g).bfloat16()[1:],  # 2-byte offset, 600,000 bytes
+            "line": torch.randn(2**16 + 3, generator=g),  # 262,156 bytes: just over the threshold
+            "transposed": torch.randn(300, 400, generator=g).t(),  # copy_, not the box copy
+            "small": torch.arange(7, dtype=torch.int64) + seed,
+        }
+
+    first = FastFileSystemWriter(tmp_path / "a")
+    first.stage(state(1))  # the staged copy is dropped at once: its slab goes back to the pool
+    gc.collect()
+    sd = state(2)
+    expected = _expected(sd)
+    writer = FastFileSystemWriter(tmp_path / "b")
+    staged = writer.stage(sd)
+    assert first._stager.slabs_allocated == 1 and writer._stager.slabs_allocated == 0, (
+        "the second stage did not reuse the pool's slab")
+    for t in sd.values():
+        C.fill_storage_with_sentinel(t)
+    C.assert_same(staged, expected, check_stride=False)
+
+
 def test_new_slab_when_the_structure_changes(tmp_path):
     writer = FastFileSystemWriter(tmp_path / "a")
     _wait(dcp.async_save(_state(3), storage_writer=writer, checkpoint_id=tmp_path / "a", no_dist=True))

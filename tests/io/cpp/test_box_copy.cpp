@@ -5,6 +5,7 @@
 #include "box_copy.hpp"
 #include "thread_pool.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -426,6 +427,18 @@ void test_large_split_boxes(ThreadPool& pool)
   BoxCopy box = make_box(src.data(), dst.data(), kI32, kI32, {kLarge}, {1}, {1});
   box_copy_cpu(&box, 1, pool, 1 << 20);
   CHECK(dst == src);
+
+  // The same with streaming stores, into a destination one element off a cache line, with the
+  // pieces' ends off lines too (grain not a multiple of 64); a strided box in the same batch
+  // still copies element by element.
+  std::vector<int32_t> off_line(kLarge + 1, -1);
+  const auto strided_src = iota_vector<int32_t>(2 * 1000);
+  std::vector<int32_t> strided_dst(1000, -1);
+  BoxCopy batch[2] = {make_box(src.data(), off_line.data() + 1, kI32, kI32, {kLarge}, {1}, {1}),
+                      make_box(strided_src.data(), strided_dst.data(), kI32, kI32, {1000}, {2}, {1})};
+  box_copy_cpu(batch, 2, pool, (1 << 20) + 12, /*streaming=*/true);
+  CHECK(off_line[0] == -1 && std::equal(src.begin(), src.end(), off_line.begin() + 1));
+  CHECK(box_landed(batch[1]));
 
   // A strided 2-D box whose rows (3000 elements) are longer than a piece: pieces start mid-row.
   constexpr int64_t kRows = 700;
