@@ -42,6 +42,24 @@ def test_multi_file_write_makes_n_files_of_the_right_total_size(tmp_path, files)
             assert f.read(4096) != bytes(4096)
 
 
+@pytest.mark.parametrize("files", [1, 3])
+def test_write_from_a_source_writes_its_bytes_once_in_order(tmp_path, files):
+    """With a WriteSource, thread i writes the i-th part of one state-sized buffer (every byte
+    distinct, so the probe reads it from memory as a save does), not one block over and over:
+    the files, in thread order, hold the source's bytes."""
+    paths = probe_paths(str(tmp_path / L.PROBE_NAME), files)
+    block, threads, size = 1 * MiB, 3, 6 * MiB
+    source = L.WriteSource()
+    try:
+        L._python_write(paths, size, block, threads, direct=True, source=source)
+        expected = bytes(source.get(size)[:size])
+    finally:
+        source.close()
+    written = b"".join(open(p, "rb").read() for p in paths)
+    assert written == expected
+    assert expected[:block] != expected[block:2 * block], "the source repeats a block"
+
+
 def test_multi_file_pair_writes_n_files_then_removes_them(tmp_path, monkeypatch):
     seen = []
     real_read = L._python_read
@@ -145,9 +163,13 @@ def test_python_probe_tries_one_and_several_files_and_cleans_up(probe_dir):
 def _fake_pair(table, calls):
     """A probe pair returning bandwidths from `table[(block, files, direct)]` (default 1.0)."""
 
-    def pair(path, nbytes, block, threads, files, direct):
-        calls.append((block, threads, files, direct))
-        w, r = table.get((block, files, direct), (1.0, 1.0))
+    def pair(path, nbytes, block, threads, files, direct, source=None):
+        if source is None:  # the cached-block run, recorded in the notes only
+            calls.append(("cached", block, threads, files, direct))
+            w, r = 99.0, 99.0
+        else:
+            calls.append((block, threads, files, direct))
+            w, r = table.get((block, files, direct), (1.0, 1.0))
         tag = "python O_DIRECT" if direct else "python buffered"
         return (ProbeRun("write", block, threads, tag, w, files), ProbeRun("read", block, threads, tag, r, files))
 
@@ -171,11 +193,13 @@ def test_limit_is_the_best_run_and_names_its_configuration(tmp_path, monkeypatch
     limits = Limits(memcpy_gibps=9.0, memcpy_methods={}, storage={"shm": lim})
     assert limits.value("write:shm") == 4.8 and limits.value("min(memcpy,read:shm)") == 6.0
     # 8 MiB: 2 -> 4 files gained >= 5%, so 8 was tried; 1 MiB: 4 did not gain over 2, so not
-    multi = [(b, f) for b, _, f, d in calls if f > 1 and d]
+    multi = [(b, f) for b, _, f, d in (c for c in calls if c[0] != "cached") if f > 1 and d]
     assert multi == [(8 * MiB, 2), (8 * MiB, 4), (8 * MiB, 8), (1 * MiB, 2), (1 * MiB, 4)]
     # buffered: one file per thread as many as the best multi-file run at the largest block,
     # then one file (last, it leaves the file for the page-cache read)
-    assert calls[-2:] == [(8 * MiB, 4, 4, False), (8 * MiB, 1, 1, False)]
+    assert calls[-3:] == [(8 * MiB, 4, 4, False), ("cached", 8 * MiB, 4, 4, True), (8 * MiB, 1, 1, False)]
+    # the run from one cached block per thread is in the note, never the limit
+    assert "99.00 GiB/s" in lim.note and all(r.gibps != 99.0 for r in lim.runs)
 
 
 def test_file_ladder_is_capped():
