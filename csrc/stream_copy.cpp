@@ -65,8 +65,8 @@ void stream_copy(void* dst_ptr, const void* src_ptr, size_t n)
     stream_lines(dst + head, src + head, lines);
     const size_t done = head + lines * 64;
     std::memcpy(dst + done, src + done, n - done);
-    // Streaming stores are weakly ordered: fence them before another thread may read the bytes
-    // (the thread pool's hand-back alone does not order them).
+    // Streaming stores are weakly ordered: fence them here, so that the bytes are visible before
+    // this returns, whatever the caller synchronises with afterwards.
     _mm_sfence();
     return;
   }

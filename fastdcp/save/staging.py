@@ -182,16 +182,13 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
     (a reused slab), so ``box_copy`` writes them with streaming stores (1 GiB in 36 ms against
     48 ms for ``copy_``, on the development VM); into fresh pages streaming stores are twice as
     slow (see ``box_copy.hpp``), so a new slab is filled with plain stores."""
-    boxes, others = [], []
-    for view, source, path in zip(views, sources, paths):
-        box = _raw_box(view, source.detach()) if engine is not None else None
-        if box is None:
-            others.append((view, source, path))
-        elif box[6][0] > 0:
-            boxes.append(box)
-    # Device sources first, so that their copies overlap with the host copies.
-    others.sort(key=lambda entry: entry[1].device.type != "cuda")
-    copier = _enqueue_copies(others)
+    entries = [(view, source.detach(), path) for view, source, path in zip(views, sources, paths)]
+    if engine is None:
+        device_copies, host_copies, boxes = [], entries, []
+    else:
+        device_copies, host_copies, boxes = _split_copies(entries)
+    copier = _enqueue_copies(device_copies)  # first, so that they overlap with the host copies
+    _enqueue_copies(host_copies)
     if boxes:
         engine.box_copy(boxes, streaming)  # the caller keeps the sources and views referenced
     if copier is not None:
@@ -227,6 +224,23 @@ def _fits(sources: list[torch.Tensor], is_guarded: list[bool], budget: int | Non
             used = end
         fits.append(keep)
     return fits
+
+
+def _split_copies(entries: list[tuple[torch.Tensor, torch.Tensor, str]]) -> tuple[list, list, list]:
+    """``(view, source, path)`` entries as (device copies, other host copies for ``copy_``, byte-copy
+    boxes for the engine's ``box_copy``); empty sources need no box."""
+    device_copies, host_copies, boxes = [], [], []
+    for entry in entries:
+        view, source, _ = entry
+        if source.device.type == "cuda":
+            device_copies.append(entry)
+            continue
+        box = _raw_box(view, source)
+        if box is None:
+            host_copies.append(entry)
+        elif box[6][0] > 0:
+            boxes.append(box)
+    return device_copies, host_copies, boxes
 
 
 def _raw_box(view: torch.Tensor, source: torch.Tensor) -> tuple | None:
@@ -319,20 +333,11 @@ class StateDictStager:
             with torch.no_grad():
                 pending = iter(views)
                 tensors = [next(pending) if keep else source for source, keep in zip(sources, fits)]
-                now, host_boxes, host_copies, device_copies = [], [], [], []
+                now, later = [], []
                 for view, source, path, keep, guard in zip(tensors, sources, paths, fits, is_guarded):
-                    if not keep:
-                        continue
-                    if guard:
-                        now.append((view, source, path))  # forward changes it next
-                    elif source.device.type == "cuda":
-                        device_copies.append((view, source, path))
-                    else:
-                        box = _raw_box(view, source)
-                        if box is None:
-                            host_copies.append((view, source, path))
-                        elif box[6][0] > 0:
-                            host_boxes.append(box)
+                    if keep:  # guarded: forward changes it next, so copied in the call
+                        (now if guard else later).append((view, source, path))
+                device_copies, host_copies, host_boxes = _split_copies(later)
                 copier = _enqueue_copies(now)
                 if copier is not None:
                     # Guarded device buffers: the current streams wait for their copies before

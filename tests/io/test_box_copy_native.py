@@ -1,8 +1,8 @@
 """Builds and runs the native C++ tests without the Python extension.
 
 The CPU tests compile a tests/io/cpp/test_*.cpp with the csrc/ units it exercises (plain C++17, no
-torch) and run it: the box copy (with the thread pool), the streaming copy and CRC-32C. The CUDA test only compiles csrc/cuda/box_copy_cuda.cu for
-sm_80 and sm_90: it needs nvcc, not a GPU.
+torch) and run it: the box copy (with the thread pool), the streaming copy and CRC-32C. The CUDA
+test only compiles csrc/cuda/box_copy_cuda.cu for sm_80 and sm_90: it needs nvcc, not a GPU.
 """
 
 from __future__ import annotations
