@@ -7,7 +7,10 @@ is there: training may change its tensors the moment it returns, and the checkpo
 values of the moment ``stage`` was called (no tensor of the result aliases a live one).
 
 * **Layout.** Tensors are placed in traversal order; every tensor of at least a page starts on a
-  page boundary, so the writer sends it to disk with O_DIRECT straight from the slab.
+  page boundary, so the writer sends it to disk with O_DIRECT straight from the slab. The slab is
+  cut into segments of at most ``SEGMENT_BYTES`` (a tensor bigger than that is a segment of its
+  own), which a process-mode save moves into shared memory one by one, without holding the GIL
+  for the whole slab (see :mod:`fastdcp.io.host_memory`).
 * **Reuse.** Slabs come from the process-wide pool (:mod:`fastdcp.save.staging_pool`), keyed by the
   tensors' dtypes and shapes: the next save of the same state reuses a slab that is already faulted
   in (and, under CUDA, already page-locked), whether it goes through the same writer or a new one.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import threading
 import time
 import weakref
@@ -59,6 +63,9 @@ except ImportError:  # pragma: no cover
 __all__ = ["StateDictStager", "StagingLayout"]
 
 _SMALL_ALIGN = 64
+# A process-mode save's first move holds the GIL for one segment at a time: 64 MiB is ~30 ms on
+# the development VM, and no longer than stock's own per-tensor moves once a tensor is that big.
+SEGMENT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,16 @@ class StagingLayout:
             offsets.append(_place(end, size))
             end = offsets[-1] + size
         return StagingLayout(signature, tuple(offsets), end)
+
+    def segment_starts(self, segment_bytes: int) -> tuple[int, ...]:
+        """Where the slab's segments begin: a new one before a page-aligned tensor that would take
+        the current segment past ``segment_bytes``, so that no tensor spans two segments."""
+        starts, start = [0], 0
+        for offset, (dtype, shape) in zip(self.offsets, self.signature):
+            end = offset + dtype.itemsize * math.prod(shape)
+            if end - start > segment_bytes and offset > start and offset % PAGE == 0:
+                starts.append(start := offset)
+        return tuple(starts)
 
 
 def _place(end: int, size: int) -> int:
@@ -272,10 +289,12 @@ class StateDictStager:
 
     def _lease_views(self, fit_sources: list[torch.Tensor]) -> tuple[StagingLease, list[torch.Tensor]]:
         layout = StagingLayout.for_tensors(fit_sources)
+        starts = layout.segment_starts(SEGMENT_BYTES)
         with self._lock:
             self._prune()
         lease = staging_pool().acquire(
-            layout.nbytes, (layout.signature, self.prefer_shared), prefer_shared=self.prefer_shared
+            layout.nbytes, (layout.signature, starts, self.prefer_shared), prefer_shared=self.prefer_shared,
+            segment_starts=starts,
         )
         slab = lease.slab
         views = [

@@ -38,7 +38,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -145,12 +145,7 @@ class StagingLease:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory is this lease's slab while the lease is in use."""
         slab = self._slot.slab
-        if slab is None or not self.in_use:
-            return False
-        try:
-            return tensor.untyped_storage().data_ptr() == slab.tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return False
+        return slab is not None and self.in_use and slab.holds_storage_of(tensor)
 
 
 class StagingPool:
@@ -225,10 +220,13 @@ class StagingPool:
 
     # -- leases ------------------------------------------------------------------------------ #
 
-    def acquire(self, nbytes: int, key: Hashable, *, prefer_shared: bool | None = None) -> StagingLease:
+    def acquire(self, nbytes: int, key: Hashable, *, prefer_shared: bool | None = None,
+                segment_starts: Sequence[int] = ()) -> StagingLease:
         """A lease on a slab of at least ``nbytes`` for a layout ``key``: an idle pooled slab of
         that key, else a new one (see the module docstring for the cap). The slab is in use from
-        now on; give the views cut from it to :meth:`StagingLease.hold`."""
+        now on; give the views cut from it to :meth:`StagingLease.hold`. ``prefer_shared`` and
+        ``segment_starts`` are :func:`~fastdcp.io.host_memory.allocate_slab`'s for a new slab: the
+        key must tell them apart."""
         self._check_pid()
         size = slab_bytes(nbytes)
         pid = os.getpid()
@@ -286,7 +284,7 @@ class StagingPool:
                 self._sweep()
             lease = slot.lease = StagingLease(self, slot, fresh=True)
         try:  # allocated outside the lock; its bytes are reserved meanwhile
-            slab = allocate_slab(size, prefer_shared=prefer_shared)
+            slab = allocate_slab(size, prefer_shared=prefer_shared, segment_starts=segment_starts)
         except BaseException:
             with self._condition:
                 lease._released = True

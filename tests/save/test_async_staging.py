@@ -298,6 +298,40 @@ def test_slab_kinds_are_page_aligned():
     assert allocate_slab(1, pin=False).kind == "private"  # unpinned: anonymous unless asked
 
 
+def test_a_segmented_slab_gives_each_segment_its_own_storage_and_views_never_span_two():
+    slab = allocate_slab(5 * PAGE, pin=False, segment_starts=[2 * PAGE, 3 * PAGE])
+    assert slab.segment_starts == (0, 2 * PAGE, 3 * PAGE) and slab.nbytes == 5 * PAGE
+    storages = {segment.untyped_storage().data_ptr() for segment in slab.segments}
+    assert len(storages) == 3 and slab.ptr % PAGE == 0
+    first = slab.view(0, 2 * PAGE, torch.float32, torch.Size([2, PAGE // 4]))
+    last = slab.view(3 * PAGE + 8, 16, torch.int64, torch.Size([2]))
+    assert first.data_ptr() == slab.ptr and last.data_ptr() == slab.ptr + 3 * PAGE + 8
+    assert slab.holds_storage_of(last) and not slab.holds_storage_of(torch.zeros(2))
+    assert last.untyped_storage().data_ptr() == slab.segments[2].untyped_storage().data_ptr()
+    last.copy_(torch.tensor([7, -7]))  # writes land in the slab's memory
+    assert slab.segments[2][8:24].view(torch.int64).tolist() == [7, -7]
+    with pytest.raises(ValueError, match="inside segment 1"):
+        slab.view(2 * PAGE, PAGE + 4, torch.uint8, torch.Size([PAGE + 4]))
+    with pytest.raises(ValueError, match="no single tensor"):
+        slab.tensor
+    with pytest.raises(ValueError, match="page multiples"):
+        allocate_slab(5 * PAGE, pin=False, segment_starts=[100])
+    shared = allocate_slab(5 * PAGE, prefer_shared=True, pin=False, segment_starts=[2 * PAGE])
+    assert shared.segment_starts == (0,) and shared.kind == "shared"  # shared memory is never moved
+
+
+def test_segments_are_cut_before_the_page_aligned_tensor_that_would_overflow_one():
+    from fastdcp.save.staging import StagingLayout
+
+    sizes = [4 * PAGE - 64, 100, PAGE, 5 * PAGE]
+    layout = StagingLayout.for_tensors([torch.empty(n, dtype=torch.uint8) for n in sizes])
+    assert layout.offsets == (0, 4 * PAGE - 64, 5 * PAGE, 6 * PAGE)
+    # 4 pages a segment: the small tensor takes the first past 4 pages, but it is not on a page
+    # boundary, so no cut before it; the next starts a segment; the 5-page one is one of its own.
+    assert layout.segment_starts(4 * PAGE) == (0, 5 * PAGE, 6 * PAGE)
+    assert layout.segment_starts(100 * PAGE) == (0,)
+
+
 def test_cached_staging_flag_is_accepted(tmp_path):
     """Stock's cache_staged_state_dict=True needs pinned memory (an accelerator); ours always
     reuses its slab and works everywhere."""

@@ -348,26 +348,44 @@ def test_a_save_staged_while_another_is_in_flight_gets_another_slab(tmp_path):
 # process mode and fork
 # --------------------------------------------------------------------------- #
 def _child_main(root: str) -> None:
-    """Runs in a fresh interpreter as a gloo world of 1: process-mode saves, a new writer each."""
+    """Runs in a fresh interpreter as a gloo world of 1: process-mode saves, a new writer each,
+    with slab segments of a page (so that the last tensor, ``w2``, starts a segment of its own) and
+    a record of every move of private memory into shared memory that pickling for the checkpoint
+    process makes."""
     import datetime
 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+    from fastdcp.save import staging
+
     report: dict = {}
+    staging.SEGMENT_BYTES = PAGE
+    moves: list[int] = []
+    share_fd = torch.UntypedStorage._share_fd_cpu_
+
+    def recording_share_fd(storage, *args, **kwargs):
+        if not storage.is_shared():
+            moves.append(storage.nbytes())
+        return share_fd(storage, *args, **kwargs)
+
+    torch.UntypedStorage._share_fd_cpu_ = recording_share_fd
     dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        sd = _state(20)
+        sd = {**_state(20), "w2": torch.randn(40, 257)}
         kinds = set()
         for step in range(4):
             expected = C.deepcopy_state_dict(sd)
             path = os.path.join(root, str(step))
             writer = FastFileSystemWriter(path)
+            moves.clear()
             result = dcp.async_save(sd, storage_writer=writer, checkpoint_id=path,
                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS)
             _train_step(sd)
             _wait(result)
+            report.setdefault("moves", []).append(list(moves))
+            report.setdefault("slab_bytes", []).append(writer._stager._slab.nbytes)
             # The first save moved the (private) slab into shared memory, in place; later ones
             # send it as it is.
             kinds.add(writer._stager._slab.kind)
@@ -415,6 +433,11 @@ def test_process_mode_new_writer_per_save_reuses_one_slab(tmp_path):
         assert report[f"same_{step}"], (step, report)
     assert (report["allocated"], report["reused"]) == (1, 3), report
     assert len(set(report["slabs"])) == 1 and report["kinds"] == ["shared"], report
+    # The first save moved the slab segment by segment (everything before w2, then w2's pages);
+    # later saves moved nothing.
+    w2_bytes = -(-40 * 257 * 4 // PAGE) * PAGE
+    assert report["moves"][0] == [report["slab_bytes"][0] - w2_bytes, w2_bytes], report
+    assert report["moves"][1:] == [[], [], []], report
 
 
 def test_a_forked_child_never_reuses_the_parents_slab(tmp_path):
