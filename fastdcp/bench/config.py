@@ -13,12 +13,12 @@ from .systems import SYSTEM_NAMES, standin_requested
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "train_loop", "concurrency", "convert",
-                 "plan_scale")
+CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "async_first", "train_loop",
+                 "concurrency", "convert", "plan_scale")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async")
 ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS
 QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "plan_scale")
-ASYNC_SCENARIOS = ("async", "async_new_writer", "gpu_async")
+ASYNC_SCENARIOS = ("async", "async_new_writer", "async_first", "gpu_async")
 ASYNC_MODES = ("thread", "process")
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,

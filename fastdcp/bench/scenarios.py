@@ -1,6 +1,6 @@
 """Single-process scenarios: save, load (cold/warm), small tensors (with DCP's floor), async
-save (blocked vs durable time, against a bare copy; one writer reused, or a new writer per save),
-GPU variants, loads of a user's existing checkpoint, (training_loop.py) a training loop with
+save (blocked vs durable time, against a bare copy; one writer reused, or a new writer per save;
+first_save.py: the first save of a fresh process), GPU variants, loads of a user's existing checkpoint, (training_loop.py) a training loop with
 an async_save every k steps, and (concurrency.py) jobs saving into one directory while another
 loads it. The peers (peers.py: torch.save,
 safetensors, torchsnapshot, nvidia-resiliency-ext) run in the save loop and, where they have a
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,8 +36,10 @@ from .process_group import OneRankGroup
 from .results import GIB, Recorder
 from .state import (SCRIBBLE_BYTE, StateSpec, build_destination, build_state, clone_state,
                     corrupt_one_byte, destination_from_metadata, llm_like_spec, scribble,
-                    small_tensor_spec, state_nbytes, verify_state)
+                    small_tensor_spec, state_nbytes, verify_state, VerificationError)
 from .systems import System
+
+_FIRST_SAVE_TIMEOUT_S = 600.0  # one child: imports, a state built, (process) the daemon, save, two loads
 
 
 class Progress:
@@ -730,6 +734,51 @@ def run_async_new_writer(ctx: Context, wheres: list[str]) -> None:
     _run_async(ctx, wheres, "async_new_writer", "cpu", new_writer=True)
 
 
+def run_async_first(ctx: Context, wheres: list[str]) -> None:
+    """Each system's first ``dcp.async_save`` of a process, in a fresh child process per save
+    (:mod:`fastdcp.bench.first_save`, which says why), ``repeats`` rounds, interleaved over the
+    modes, targets and systems; every checkpoint verified bit-exact in the child."""
+    spec = llm_like_spec(ctx.cfg.size)
+    nbytes = spec.tensor_bytes
+    for i in range(ctx.cfg.repeats):
+        for mode in ctx.cfg.async_modes:
+            for where in wheres:
+                root = os.path.join(ctx.targets[where], "async", "first", mode)
+                os.makedirs(root, exist_ok=True)
+                for system in ctx.systems:
+                    path = os.path.join(root, system.name)
+                    shutil.rmtree(path, ignore_errors=True)
+                    out = os.path.join(root, f"{system.name}.json")
+                    os.sync()
+                    corrupt = ctx.cfg.corrupt_after_load in (system.name, "all")
+                    result = _first_save_child(system.name, mode, path, ctx.cfg.size, out, corrupt)
+                    shutil.rmtree(path, ignore_errors=True)
+                    base = {"mode": mode, "run": "1st"}
+                    for phase, limit in (("blocked", "memcpy"), ("durable", save_limit(where, ctx.tmpfs(where)))):
+                        seconds = result[f"{phase}_s"]
+                        ctx.recorder.add("async_first", where, system.name, {**base, "phase": phase}, nbytes, seconds,
+                                         limit, {**system.description, "process": "fresh, one save"})
+                        _log(ctx, "async_first", where, system.name, f"{mode} {phase}", i, seconds, nbytes)
+
+
+def _first_save_child(system: str, mode: str, path: str, size: int, out: str,
+                      corrupt_after_load: bool = False) -> dict[str, float]:
+    """Run :mod:`fastdcp.bench.first_save` in a fresh interpreter and return its result; a
+    failure (verification included) raises with the child's last output."""
+    cmd = [sys.executable, "-m", "fastdcp.bench.first_save", "--system", system, "--mode", mode, "--path", path,
+           "--size", str(size), "--out", out] + (["--corrupt-after-load"] if corrupt_after_load else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_FIRST_SAVE_TIMEOUT_S)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout)[-3000:]
+        if "VerificationError" in tail:
+            raise VerificationError(f"async_first/{mode} [{system}]: the child's checkpoint did not verify:\n{tail}")
+        raise RuntimeError(f"async_first/{mode} [{system}]: the child exited with {proc.returncode}:\n{tail}")
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result
+
+
 def run_gpu_async(ctx: Context, wheres: list[str]) -> None:
     if not torch.cuda.is_available():
         ctx.note("gpu_async skipped: CUDA is not available")
@@ -825,6 +874,7 @@ SINGLE_PROCESS = {
     "small": run_small,
     "async": run_async,
     "async_new_writer": run_async_new_writer,
+    "async_first": run_async_first,
     "gpu_save": run_gpu_save,
     "gpu_load": run_gpu_load,
     "gpu_async": run_gpu_async,

@@ -592,6 +592,34 @@ def test_async_new_writer_checks_the_canary(tmp_path, capsys, standin_if_needed)
     assert rc == EXIT_VERIFY and "async_new_writer/dir/thread/save0" in err, err[-3000:]
 
 
+def test_async_first_times_each_systems_first_save_in_a_fresh_process(tmp_path, capsys, standin_if_needed):
+    """async_first: per repeat, mode and system a child process of its own (a pid of its own),
+    its one save verified there; blocked and durable recorded as run=1st."""
+    out = tmp_path / "r.json"
+    rc = main([*TINY, "--scenarios", "async_first", "--systems", "stock,fastdcp", "--repeats", "2",
+               "--async-modes", "thread,process", "--dir", str(tmp_path), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for mode in ("thread", "process"):
+        blocked = _by(results, "async_first", mode=mode, phase="blocked", run="1st")
+        durable = _by(results, "async_first", mode=mode, phase="durable", run="1st")
+        assert set(blocked) == set(durable) == {"stock", "fastdcp"}, mode
+        for name in ("stock", "fastdcp"):
+            assert len(blocked[name]["seconds"]) == 2, (mode, name)
+            assert all(0 < b <= d for b, d in zip(blocked[name]["seconds"], durable[name]["seconds"]))
+    table = [line.split() for line in captured.out.splitlines() if line.startswith("async_first")]
+    assert {(row[1].split(",")[0], row[3]) for row in table} == {
+        (f"mode={mode}", name) for mode in ("thread", "process") for name in ("stock", "fastdcp")}, table
+
+
+def test_async_first_fails_when_a_childs_checkpoint_does_not_verify(tmp_path, capsys, standin_if_needed):
+    rc = main([*TINY, "--scenarios", "async_first", "--systems", "stock,fastdcp", "--dir", str(tmp_path),
+               "--corrupt-after-load", "fastdcp"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_VERIFY and "async_first/thread [fastdcp]" in err, err[-3000:]
+
+
 def test_safetensors_peer_handles_shared_views_and_objects(tmp_path):
     """What safetensors refuses (tied weights, views into a larger storage, non-contiguous
     tensors) is saved as a user would (own copies); JSON-able objects go in the metadata, others
