@@ -3,7 +3,7 @@
 Inside one benchmark process no system's "first" save is a first save of a process: stock's
 staging allocates with the process's allocator, which hands back memory that earlier saves freed,
 already faulted in (stock's "1st" process-mode save to ``/dev/shm`` blocked 0.10 s in one suite
-run, against 0.19-0.23 s in a fresh process), while fastdcp's is measured after
+run, against 0.21-0.24 s in a fresh process), while fastdcp's is measured after
 ``release_staging()``, from new pages. A training job's first checkpoint comes once per process,
 after the model is built: this child builds the LLM-like state, (process mode) starts DCP's
 checkpoint daemon with an untimed warm-up save, times one ``async_save`` of the state through

@@ -1,10 +1,10 @@
 """Single-process scenarios: save, load (cold/warm), small tensors (with DCP's floor), async
 save (blocked vs durable time, against a bare copy; one writer reused, or a new writer per save;
-first_save.py: the first save of a fresh process), GPU variants, loads of a user's existing checkpoint, (training_loop.py) a training loop with
-an async_save every k steps, and (concurrency.py) jobs saving into one directory while another
-loads it. The peers (peers.py: torch.save,
-safetensors, torchsnapshot, nvidia-resiliency-ext) run in the save loop and, where they have a
-load of their own, in the load loop, interleaved with the DCP systems.
+with first_save.py, the first save of a fresh process), GPU variants, loads of a user's existing
+checkpoint, (training_loop.py) a training loop with an async_save every k steps, and
+(concurrency.py) jobs saving into one directory while another loads it. The peers (peers.py:
+torch.save, safetensors, torchsnapshot, nvidia-resiliency-ext) run in the save loop and, where
+they have a load of their own, in the load loop, interleaved with the DCP systems.
 
 Every scenario interleaves systems (A B C A B C ...) and verifies every loaded state dict
 bit-exact against what was saved; a mismatch raises VerificationError. (The floor's no-I/O
@@ -34,9 +34,9 @@ from .pagecache import COLD_DROP, dir_bytes, fs_info, make_cold, same_device, wa
 from .peers import Peer
 from .process_group import OneRankGroup
 from .results import GIB, Recorder
-from .state import (SCRIBBLE_BYTE, StateSpec, build_destination, build_state, clone_state,
-                    corrupt_one_byte, destination_from_metadata, llm_like_spec, scribble,
-                    small_tensor_spec, state_nbytes, verify_state, VerificationError)
+from .state import (SCRIBBLE_BYTE, StateSpec, VerificationError, build_destination, build_state,
+                    clone_state, corrupt_one_byte, destination_from_metadata, llm_like_spec, scribble,
+                    small_tensor_spec, state_nbytes, verify_state)
 from .systems import System
 
 _FIRST_SAVE_TIMEOUT_S = 600.0  # one child: imports, a state built, (process) the daemon, save, two loads

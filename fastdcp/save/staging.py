@@ -63,8 +63,9 @@ except ImportError:  # pragma: no cover
 __all__ = ["StateDictStager", "StagingLayout"]
 
 _SMALL_ALIGN = 64
-# A process-mode save's first move holds the GIL for one segment at a time: 64 MiB is ~30 ms on
-# the development VM, and no longer than stock's own per-tensor moves once a tensor is that big.
+# A process-mode save's first move holds the GIL for one segment's page reservation at a time:
+# ~17 ms for 64 MiB on the development VM, and no longer than stock's per-tensor moves once a
+# tensor is that big (see fastdcp.io.host_memory).
 SEGMENT_BYTES = 64 << 20
 
 
