@@ -580,14 +580,17 @@ def _blocked_seconds(sd: dict, directory: Path, async_staging: bool) -> float:
 def test_async_save_blocks_for_a_fraction_of_the_blocking_stage(tmp_path):
     """The call with overlapped staging blocks < 50% of the time the blocking stage of the same
     state blocks (measured here, best of 3). Starts at 64 MiB and doubles the state while the
-    blocking call takes < 8 ms (a fast machine), up to 512 MiB."""
+    blocking call takes < 25 ms, up to 1 GiB: the overlapped call's own cost (DCP's call, the
+    save thread's start, the background copy competing for the CPUs) is 1-10 ms on the 2-core
+    development VM, so a blocking stage of ~10 ms (256 MiB into a reused slab) failed the ratio in
+    3 of 5 runs of this file, before and after the slab segments."""
     base = Path(tempfile.mkdtemp(dir="/dev/shm")) if os.path.isdir("/dev/shm") else tmp_path
     try:
         measured = []
-        for total_mib in (64, 128, 256, 512):
+        for total_mib in (64, 128, 256, 512, 1024):
             sd = _big_state(total_mib, 8)
             blocking = _blocked_seconds(sd, base, async_staging=False)
-            if blocking < 0.008:
+            if blocking < 0.025:
                 measured.append((total_mib, blocking))
                 del sd
                 _pool.reset_staging_pool()
@@ -599,7 +602,7 @@ def test_async_save_blocks_for_a_fraction_of_the_blocking_stage(tmp_path):
             )
             print(f"{total_mib} MiB: blocking {blocking * 1e3:.1f} ms, overlapped {overlapped * 1e3:.1f} ms")
             return
-        pytest.skip(f"the blocking async_save took < 8 ms even at 512 MiB ({measured}): too fast to compare")
+        pytest.skip(f"the blocking async_save took < 25 ms even at 1 GiB ({measured}): too fast to compare")
     finally:
         if base != tmp_path:
             shutil.rmtree(base, ignore_errors=True)
