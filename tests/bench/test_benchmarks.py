@@ -593,8 +593,8 @@ def test_async_new_writer_checks_the_canary(tmp_path, capsys, standin_if_needed)
 
 
 def test_async_first_times_each_systems_first_save_in_a_fresh_process(tmp_path, capsys, standin_if_needed):
-    """async_first: per repeat, mode and system a child process of its own (a pid of its own),
-    its one save verified there; blocked and durable recorded as run=1st."""
+    """async_first: per repeat, mode and system one save (in a child process of its own, verified
+    there), blocked and durable recorded as run=1st, every pair in the table."""
     out = tmp_path / "r.json"
     rc = main([*TINY, "--scenarios", "async_first", "--systems", "stock,fastdcp", "--repeats", "2",
                "--async-modes", "thread,process", "--dir", str(tmp_path), "--json", str(out)])
