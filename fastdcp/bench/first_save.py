@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import shutil
 import time
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 __all__ = ["first_async_save", "main"]
@@ -36,8 +33,7 @@ def first_async_save(system_name: str, mode: str, path: str, size: int,
     of ``size`` bytes by ``system_name`` into ``path`` (see the module docstring); raises
     VerificationError when the checkpoint does not load back bit-exact. ``corrupt_after_load``:
     the benchmark's test hook (``--corrupt-after-load``): one byte of the loaded state flipped."""
-    from .process_group import OneRankGroup
-    from .scenarios import _async_kwargs, verify_with_stock_reader
+    from .scenarios import _async_kwargs, _ProcessMode, verify_with_stock_reader
     from .state import build_destination, build_state, corrupt_one_byte, llm_like_spec, verify_state
     from .systems import resolve_systems
 
@@ -45,16 +41,8 @@ def first_async_save(system_name: str, mode: str, path: str, size: int,
     state = build_state(spec)
     (system,) = resolve_systems([system_name])
     kwargs = _async_kwargs(mode)
-    group = None
-    if mode == "process":  # DCP's daemon needs a process group; it starts untimed, as in `async`
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        group = OneRankGroup().open()
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        warmup = path + ".warmup"
-        fut = dcp.async_save({"warmup": torch.zeros(4)}, storage_writer=FileSystemWriter(warmup), **kwargs)
-        getattr(fut, "upload_completion", fut).result()
-        shutil.rmtree(warmup, ignore_errors=True)
+    # Process mode: a process group and DCP's daemon, started untimed, as in `async`.
+    process_mode = _ProcessMode(path + ".warmup") if mode == "process" else None
     try:
         planner = system.make_save_planner() if system.make_save_planner is not None else None
         gc.collect()
@@ -75,8 +63,8 @@ def first_async_save(system_name: str, mode: str, path: str, size: int,
         verify_with_stock_reader(state, spec, path, f"async_first/{mode} [{system.name}]")
         return {"blocked_s": blocked, "durable_s": durable, "bytes": spec.tensor_bytes}
     finally:
-        if group is not None:
-            group.close()
+        if process_mode is not None:
+            process_mode.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -505,20 +505,21 @@ class _ProcessMode:
     reads rank/world size from it and broadcasts the daemon's store address over it, even with
     no_dist=True), so a 1-rank gloo group is started here when none exists, and MASTER_ADDR
     (else the daemon's store binds to the host's FQDN). The daemon is spawned once, by an
-    untimed warm-up save, so that no system's timed save pays for it."""
+    untimed warm-up save (into ``warmup_path``, removed afterwards), so that no system's timed
+    save pays for it."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, warmup_path: str, progress: Callable[[str], None] | None = None) -> None:
         self.old_addr = os.environ.get("MASTER_ADDR")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         self.group = OneRankGroup().open()
-        path = os.path.join(ctx.targets[next(iter(ctx.targets))], "async", "process_warmup")
         t0 = time.perf_counter()
-        fut = dcp.async_save({"warmup": torch.zeros(4)}, storage_writer=FileSystemWriter(path),
+        fut = dcp.async_save({"warmup": torch.zeros(4)}, storage_writer=FileSystemWriter(warmup_path),
                              **_async_kwargs("process"))
         getattr(fut, "upload_completion", fut).result()
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(warmup_path, ignore_errors=True)
         self.daemon_pid = self._daemon_pid()
-        ctx.progress(f"async    process mode: checkpoint daemon (pid {self.daemon_pid}) started in "
+        if progress is not None:
+            progress(f"async    process mode: checkpoint daemon (pid {self.daemon_pid}) started in "
                      f"{time.perf_counter() - t0:.1f} s (untimed warm-up save)")
 
     @staticmethod
@@ -629,7 +630,8 @@ def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str,
             proc = None
             if mode == "process":
                 try:
-                    proc = _ProcessMode(ctx)
+                    proc = _ProcessMode(os.path.join(ctx.targets[next(iter(ctx.targets))], "async", "process_warmup"),
+                                        ctx.progress)
                 except Exception as exc:
                     ctx.note(f"{scenario} process mode not measured: {type(exc).__name__}: {exc}")
                     continue
