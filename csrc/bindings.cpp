@@ -301,7 +301,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
       py::arg("files"), py::arg("data_only") = false)
     .def(
       "box_copy",
-      [](Engine& engine, const py::list& boxes, bool streaming) {
+      [](Engine& engine, const py::list& boxes, bool streaming, bool prefault) {
         // boxes: [(src_addr, dst_addr, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride)]
         std::vector<fastdcp::BoxCopy> native(boxes.size());
         size_t i = 0;
@@ -330,11 +330,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           fastdcp::simplify_box(b);
         }
         py::gil_scoped_release release;
-        fastdcp::box_copy_cpu(native.data(), native.size(), engine.pool(), size_t{1} << 20, streaming);
+        fastdcp::box_copy_cpu(native.data(), native.size(), engine.pool(), size_t{1} << 20, streaming, prefault);
       },
-      py::arg("boxes"), py::arg("streaming") = false,
+      py::arg("boxes"), py::arg("streaming") = false, py::arg("prefault") = false,
       "Batched strided copy (with dtype conversion) on the engine's threads; streaming: non-temporal "
-      "stores for large equal-dtype runs (for destinations already faulted in).")
+      "stores for large equal-dtype runs (for destinations already faulted in); prefault: each task "
+      "first has the kernel fault in its whole destination pages (for fresh destinations).")
     .def("stats", [](const Engine& engine) {
       auto s = engine.stats();
       py::dict d;

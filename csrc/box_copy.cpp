@@ -1,5 +1,6 @@
 #include "box_copy.hpp"
 
+#include "prefault.hpp"
 #include "stream_copy.hpp"
 #include "thread_pool.hpp"
 
@@ -409,6 +410,16 @@ void copy_box_range(const BoxCopy& box, RunCopier copy_run, int64_t begin, int64
   }
 }
 
+/// Faults in the destination pages of elements [begin, end) of a simplified box when they are one
+/// contiguous byte range (a 1-D box with unit destination stride: every staging copy); other
+/// boxes are left to fault page by page.
+void prefault_destination(const BoxCopy& box, int64_t begin, int64_t end)
+{
+  if (box.ndim != 1 || box.dst_stride[0] != 1 || end <= begin) { return; }
+  auto* dst = static_cast<std::byte*>(box.dst) + begin * box.dst_elem_size;
+  prefault_writable(dst, static_cast<size_t>(end - begin) * static_cast<size_t>(box.dst_elem_size));
+}
+
 /// A contiguous element range of one (simplified) box, the unit the planner hands to tasks.
 struct Segment {
   size_t box;
@@ -581,7 +592,7 @@ int64_t box_element_prefix(const BoxCopy* boxes, size_t num_boxes, int64_t* pref
 }
 
 void box_copy_cpu(const BoxCopy* boxes, size_t num_boxes, ThreadPool& pool, size_t grain_bytes,
-                  bool streaming)
+                  bool streaming, bool prefault)
 {
   if (num_boxes == 0) { return; }
   grain_bytes = std::max<size_t>(grain_bytes, 1);
@@ -628,6 +639,7 @@ void box_copy_cpu(const BoxCopy* boxes, size_t num_boxes, ThreadPool& pool, size
   const auto run_task = [&](size_t task, int /*worker*/) {
     for (size_t s = task_first_segment[task]; s < task_first_segment[task + 1]; ++s) {
       const Segment& seg = segments[s];
+      if (prefault) { prefault_destination(simplified[seg.box], seg.begin, seg.end); }
       copy_box_range(simplified[seg.box], copiers[seg.box], seg.begin, seg.end);
     }
   };

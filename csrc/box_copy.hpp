@@ -105,10 +105,13 @@ int64_t box_element_prefix(const BoxCopy* boxes, size_t num_boxes, int64_t* pref
 /// stream_copy.hpp): faster where the destination is already faulted in and not read again soon
 /// (a reused staging slab), about twice as slow into fresh pages (the kernel zeroes each page into
 /// the cache, then the streaming store evicts it), so callers opt in.
+/// With `prefault`, each task first has the kernel fault in the whole destination pages of its
+/// contiguous pieces (prefault_writable, see prefault.hpp): for a destination the caller knows to
+/// be fresh (a new staging slab), where a trap per page would otherwise dominate the copy.
 /// Preconditions: destination regions of all boxes are pairwise disjoint and do not overlap any
 /// source region; every pointer is valid for the whole call.
 void box_copy_cpu(const BoxCopy* boxes, size_t num_boxes, ThreadPool& pool,
-                  size_t grain_bytes = size_t{1} << 20, bool streaming = false);
+                  size_t grain_bytes = size_t{1} << 20, bool streaming = false, bool prefault = false);
 
 /// Round-to-nearest-even float -> bfloat16 bits (NaN -> 0x7FC0). Exposed for tests.
 uint16_t float_to_bfloat16_bits(float value);

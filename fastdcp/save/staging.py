@@ -199,7 +199,9 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
     Device copies are waited for once at the end. ``streaming``: the views are already faulted in
     (a reused slab), so ``box_copy`` writes them with streaming stores (1 GiB in 36 ms against
     48 ms for ``copy_``, on the development VM); into fresh pages streaming stores are twice as
-    slow (see ``box_copy.hpp``), so a new slab is filled with plain stores."""
+    slow (see ``box_copy.hpp``), so a new slab is filled with plain stores, each of the engine's
+    tasks first having the kernel fault in its pages in one call (``prefault``, see
+    ``prefault.hpp``: half the time of a fault per page on the development VM)."""
     entries = [(view, source.detach(), path) for view, source, path in zip(views, sources, paths)]
     if engine is None:
         device_copies, host_copies, boxes = [], entries, []
@@ -208,7 +210,8 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
     copier = _enqueue_copies(device_copies)  # first, so that they overlap with the host copies
     _enqueue_copies(host_copies)
     if boxes:
-        engine.box_copy(boxes, streaming)  # the caller keeps the sources and views referenced
+        # The caller keeps the sources and views referenced.
+        engine.box_copy(boxes, streaming=streaming, prefault=not streaming)
     if copier is not None:
         copier.wait(copier.record())
 
@@ -388,7 +391,7 @@ class StateDictStager:
             # host_boxes hold raw addresses: the sources and the slab views must outlive the copy
             # even if the caller drops its state dict meanwhile (keep_alive holds them).
             if host_boxes:
-                engine.box_copy(host_boxes, not lease.fresh)  # see _copy_into
+                engine.box_copy(host_boxes, streaming=not lease.fresh, prefault=lease.fresh)  # see _copy_into
             with torch.no_grad():
                 _enqueue_copies(host_copies)  # host sources only: copied here and now
             if copier is not None:

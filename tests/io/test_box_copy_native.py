@@ -1,7 +1,7 @@
 """Builds and runs the native C++ tests without the Python extension.
 
 The CPU tests compile a tests/io/cpp/test_*.cpp with the csrc/ units it exercises (plain C++17, no
-torch) and run it: the box copy (with the thread pool), the streaming copy and CRC-32C. The CUDA
+torch) and run it: the box copy (with the thread pool), the streaming copy, prefaulting and CRC-32C. The CUDA
 test only compiles csrc/cuda/box_copy_cuda.cu for sm_80 and sm_90: it needs nvcc, not a GPU.
 """
 
@@ -37,8 +37,9 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "test_source,units",
     [
-        ("test_box_copy.cpp", ["box_copy.cpp", "stream_copy.cpp", "thread_pool.cpp"]),
+        ("test_box_copy.cpp", ["box_copy.cpp", "prefault.cpp", "stream_copy.cpp", "thread_pool.cpp"]),
         ("test_stream_copy.cpp", ["stream_copy.cpp"]),
+        ("test_prefault.cpp", ["prefault.cpp"]),
         ("test_crc32c.cpp", ["crc32c.cpp"]),
     ],
 )

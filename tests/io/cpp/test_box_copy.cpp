@@ -1,9 +1,12 @@
 // Tests of the CPU batched box copy (csrc/box_copy.cpp). A plain program; from the repository root:
-//   g++ -std=c++17 -O2 -pthread -I csrc tests/cpp/test_box_copy.cpp csrc/box_copy.cpp
-//       csrc/thread_pool.cpp -o test_box_copy
+//   g++ -std=c++17 -O2 -pthread -I csrc tests/io/cpp/test_box_copy.cpp csrc/box_copy.cpp
+//       csrc/prefault.cpp csrc/stream_copy.cpp csrc/thread_pool.cpp -o test_box_copy
 // It prints "N passed, M failed" and exits non-zero when anything failed.
 #include "box_copy.hpp"
 #include "thread_pool.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -466,6 +469,43 @@ void test_large_split_boxes(ThreadPool& pool)
   CHECK(ok);
 }
 
+void test_prefault_into_fresh_pages(ThreadPool& pool)
+{
+  // A prefaulting copy into a new mapping: the destination starts 12 bytes into a page and the
+  // pieces (grain off any page multiple) end mid-page, so pieces share pages with their
+  // neighbours; sentinel bytes written before the copy around the destination, on the pages it
+  // partly covers, must survive (prefaulting never zeroes a page that holds data), and a small
+  // box and a strided box in the same batch land too.
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  constexpr int64_t kCount = (3 << 20) + 5;  // int32 elements, ~12 MiB
+  const size_t bytes = 2 * page + kCount * sizeof(int32_t) + 2 * page;
+  void* mapping = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(mapping != MAP_FAILED);
+  if (mapping == MAP_FAILED) { return; }
+  auto* base = static_cast<unsigned char*>(mapping);
+  unsigned char* dst = base + page + 12;
+  unsigned char* end = dst + kCount * sizeof(int32_t);
+  std::memset(base + page, 0xA5, 12);  // the head of the destination's first page
+  std::memset(end, 0xA5, 20);          // just past its end, on its last page
+  const auto src = iota_vector<int32_t>(kCount, 7);
+  const auto small_src = iota_vector<int64_t>(3, 40);
+  std::vector<int64_t> small_dst(3, -1);
+  const auto strided_src = iota_vector<int16_t>(2 * 500);
+  std::vector<int16_t> strided_dst(500, -1);
+  BoxCopy batch[3] = {make_box(src.data(), dst, kI32, kI32, {kCount}, {1}, {1}),
+                      make_box(small_src.data(), small_dst.data(), kI64, kI64, {3}, {1}, {1}),
+                      make_box(strided_src.data(), strided_dst.data(), kI16, kI16, {500}, {2}, {1})};
+  box_copy_cpu(batch, 3, pool, (1 << 20) + 12, /*streaming=*/false, /*prefault=*/true);
+  CHECK(std::memcmp(dst, src.data(), kCount * sizeof(int32_t)) == 0);
+  bool guards = true;
+  for (int i = 0; i < 12; ++i) { guards = guards && base[page + i] == 0xA5; }
+  for (int i = 0; i < 20; ++i) { guards = guards && end[i] == 0xA5; }
+  CHECK(guards);
+  CHECK(small_dst == small_src);
+  CHECK(box_landed(batch[2]));
+  munmap(mapping, bytes);
+}
+
 void test_float_formats()
 {
   // bf16: round to nearest, ties to even.
@@ -683,6 +723,7 @@ int main()
   test_two_kib_rows(pool);
   test_many_small_boxes(pool);
   test_large_split_boxes(pool);
+  test_prefault_into_fresh_pages(pool);
   test_conversion_matrix(pool);
   test_conversion_rules(pool);
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
