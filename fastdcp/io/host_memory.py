@@ -26,11 +26,12 @@ reservation before it ran another line of Python (a first process-mode save bloc
 of 0.2 s). Moved segment by segment, as stock's per-tensor storages are, the caller waits for one
 segment's at most (about 20 ms for a 76 MiB tensor).
 
-:attr:`HostSlab.kind` is read from the memory, so it follows such a move. Pre-faulting was
-measured and is not done: ``MADV_POPULATE_WRITE`` before the copy (one thread or two) made the
-first staging copy slower for both kinds (private 0.46 s with two threads vs 0.26 s faulting
-during the copy), and ``MADV_HUGEPAGE`` on private slabs stalled in memory compaction (1.2 to
-2.8 s per GiB) where the system defragments on demand.
+:attr:`HostSlab.kind` is read from the memory, so it follows such a move. A slab is not
+pre-faulted here: populating the whole slab before the copy made the first staging copy slower
+for both kinds (private 0.46 s with two threads vs 0.26 s faulting during the copy), and
+``MADV_HUGEPAGE`` on private slabs stalled in memory compaction (1.2 to 2.8 s per GiB) where the
+system defragments on demand. Instead the staging copy has the kernel populate each piece just
+before it copies into it (``box_copy(prefault=True)``, see ``csrc/prefault.hpp``).
 
 Both are page-aligned, so tensors placed at 4096-multiples inside them are written with O_DIRECT
 straight from the slab. With CUDA the slab is page-locked with ``cudaHostRegister``; never across
