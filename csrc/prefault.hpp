@@ -19,11 +19,11 @@ namespace fastdcp {
 /// so it is safe while other threads write other pages of the same mapping. Pages the range only
 /// partly covers are left to the caller's stores (another caller may own the rest of them).
 ///
-/// Returns true when the kernel populated the range. Returns false, changing no byte, when it did not
-/// (or not wholly): a kernel without MADV_POPULATE_WRITE (Linux before 5.14, probed once per process), a
-/// non-Linux build, a range with no whole page, or a range the kernel refuses to populate (not
-/// writable, not mapped, device memory, out of memory). The caller's stores then fault the pages
-/// in as they would have anyway, and meet any real error themselves.
+/// Returns true when the kernel populated the range. Returns false, changing no byte, when it
+/// did not (or not wholly): a kernel without MADV_POPULATE_WRITE (Linux before 5.14, probed once
+/// per process), a non-Linux build, a range with no whole page, or a range the kernel refuses to
+/// populate (not writable, not mapped, device memory, out of memory). The caller's stores then
+/// fault the pages in as they would have anyway, and meet any real error themselves.
 bool prefault_writable(void* dst, size_t n);
 
 }  // namespace fastdcp

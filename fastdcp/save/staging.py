@@ -201,7 +201,7 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
     48 ms for ``copy_``, on the development VM); into fresh pages streaming stores are twice as
     slow (see ``box_copy.hpp``), so a new slab is filled with plain stores, each of the engine's
     tasks first having the kernel fault in its pages in one call (``prefault``, see
-    ``prefault.hpp``: half the time of a fault per page on the development VM)."""
+    ``prefault.hpp``: 1 GiB in 0.19-0.20 s against 0.26 s faulting page by page, on an Intel host)."""
     entries = [(view, source.detach(), path) for view, source, path in zip(views, sources, paths)]
     if engine is None:
         device_copies, host_copies, boxes = [], entries, []
