@@ -168,6 +168,51 @@ def test_a_reused_slab_is_refilled_exactly_from_unaligned_sources(tmp_path):
     C.assert_same(staged, expected, check_stride=False)
 
 
+@pytest.mark.parametrize("async_staging", [False, True], ids=["blocking", "overlapped"])
+def test_a_new_slab_is_prefaulted_and_a_reused_one_gets_streaming_stores(tmp_path, monkeypatch, async_staging):
+    """How the engine is asked to fill the slab: a new slab piece by piece after the kernel
+    populated each piece (prefault: no trap per page), a reused one, already faulted in, with
+    streaming stores; never both (streaming stores into new pages are twice as slow). A mix-up
+    copies the same bytes, only slower, so the other tests cannot see it."""
+    import fastdcp
+    from fastdcp.save import writer as writer_module
+
+    calls = []
+    real_get_engine = writer_module.get_engine
+
+    class RecordingEngine:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def box_copy(self, boxes, streaming=False, prefault=False):
+            calls.append((streaming, prefault))
+            return self._engine.box_copy(boxes, streaming=streaming, prefault=prefault)
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+    monkeypatch.setattr(writer_module, "get_engine", lambda options: RecordingEngine(real_get_engine(options)))
+    fastdcp.release_staging()
+
+    def state(seed: int) -> dict:  # a layout no other test stages: its first slab is new
+        g = torch.Generator().manual_seed(seed)
+        return {"weight": torch.randn(513, 129, generator=g), "bias": torch.randn(129, generator=g)}
+
+    for step in range(2):
+        sd = state(step)
+        expected = _expected(sd)
+        writer = FastFileSystemWriter(tmp_path / str(step), async_staging=async_staging)
+        staged = writer.stage(sd)
+        if async_staging:
+            staged = staged.result()
+        C.assert_same(staged, expected, check_stride=False)
+        del staged
+        writer._release_staging()
+        gc.collect()
+    assert calls == [(False, True), (True, False)], (
+        f"box_copy's (streaming, prefault) for a new slab, then a reused one: {calls}")
+
+
 def test_new_slab_when_the_structure_changes(tmp_path):
     writer = FastFileSystemWriter(tmp_path / "a")
     _wait(dcp.async_save(_state(3), storage_writer=writer, checkpoint_id=tmp_path / "a", no_dist=True))
