@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from .config import BenchConfig, fmt_size
 from .floor import FLOOR, FLOOR_PLANNERS, NullStorageReader, NullStorageWriter
+from .first_save import VERIFY_FAILED
 from .pagecache import COLD_DROP, dir_bytes, fs_info, make_cold, same_device, warm_files
 from .peers import Peer
 from .process_group import OneRankGroup
@@ -772,7 +773,7 @@ def _first_save_child(system: str, mode: str, path: str, size: int, out: str,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_FIRST_SAVE_TIMEOUT_S)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout)[-3000:]
-        if "VerificationError" in tail:
+        if proc.returncode == VERIFY_FAILED:
             raise VerificationError(f"async_first/{mode} [{system}]: the child's checkpoint did not verify:\n{tail}")
         raise RuntimeError(f"async_first/{mode} [{system}]: the child exited with {proc.returncode}:\n{tail}")
     with open(out) as f:

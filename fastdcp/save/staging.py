@@ -191,17 +191,24 @@ def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], co
     return copier
 
 
+def _fill_slab(engine: Any, boxes: list[tuple], fresh: bool) -> None:
+    """Run the byte-copy ``boxes`` into slab views on ``engine``'s threads, the way the slab's
+    pages want: a reused slab (``fresh`` false) is already faulted in, so it gets streaming stores
+    (1 GiB in 36 ms against 48 ms for ``copy_``, on the development VM); into new pages streaming
+    stores are twice as slow (see ``box_copy.hpp``), so a new slab gets plain stores, each task
+    first having the kernel fault in its pages in one call (``prefault``, see ``prefault.hpp``:
+    1 GiB in 0.19-0.20 s against 0.26 s faulting page by page, on an Intel host). The caller keeps
+    the sources and views referenced: the boxes hold raw addresses."""
+    engine.box_copy(boxes, streaming=not fresh, prefault=fresh)
+
+
 def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: list[str], engine: Any = None,
-               streaming: bool = False) -> None:
+               fresh: bool = True) -> None:
     """Copy every source into its view and return when all are there. With ``engine``, plain
-    contiguous host sources go in one batched ``box_copy`` on the engine's threads, while device
-    copies, enqueued first, run behind it; everything else goes through :func:`_enqueue_copies`.
-    Device copies are waited for once at the end. ``streaming``: the views are already faulted in
-    (a reused slab), so ``box_copy`` writes them with streaming stores (1 GiB in 36 ms against
-    48 ms for ``copy_``, on the development VM); into fresh pages streaming stores are twice as
-    slow (see ``box_copy.hpp``), so a new slab is filled with plain stores, each of the engine's
-    tasks first having the kernel fault in its pages in one call (``prefault``, see
-    ``prefault.hpp``: 1 GiB in 0.19-0.20 s against 0.26 s faulting page by page, on an Intel host)."""
+    contiguous host sources go in one batched ``box_copy`` on the engine's threads
+    (:func:`_fill_slab`; ``fresh``: the views are in a new slab), while device copies, enqueued
+    first, run behind it; everything else goes through :func:`_enqueue_copies`. Device copies are
+    waited for once at the end."""
     entries = [(view, source.detach(), path) for view, source, path in zip(views, sources, paths)]
     if engine is None:
         device_copies, host_copies, boxes = [], entries, []
@@ -210,8 +217,7 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
     copier = _enqueue_copies(device_copies)  # first, so that they overlap with the host copies
     _enqueue_copies(host_copies)
     if boxes:
-        # The caller keeps the sources and views referenced.
-        engine.box_copy(boxes, streaming=streaming, prefault=not streaming)
+        _fill_slab(engine, boxes, fresh)
     if copier is not None:
         copier.wait(copier.record())
 
@@ -325,7 +331,7 @@ class StateDictStager:
         lease, views = self._lease_views(sources)
         try:
             with torch.no_grad():
-                _copy_into(views, sources, paths, engine, streaming=not lease.fresh)
+                _copy_into(views, sources, paths, engine, fresh=lease.fresh)
                 staged = _rebuild(state_dict, iter(views))
         except BaseException:
             lease.release()
@@ -391,7 +397,7 @@ class StateDictStager:
             # host_boxes hold raw addresses: the sources and the slab views must outlive the copy
             # even if the caller drops its state dict meanwhile (keep_alive holds them).
             if host_boxes:
-                engine.box_copy(host_boxes, streaming=not lease.fresh, prefault=lease.fresh)  # see _copy_into
+                _fill_slab(engine, host_boxes, lease.fresh)
             with torch.no_grad():
                 _enqueue_copies(host_copies)  # host sources only: copied here and now
             if copier is not None:
