@@ -25,9 +25,7 @@ import time
 
 import torch.distributed.checkpoint as dcp
 
-__all__ = ["VERIFY_FAILED", "first_async_save", "main"]
-
-VERIFY_FAILED = 3  # the exit code when the checkpoint did not load back bit-exact (the suite's)
+__all__ = ["first_async_save", "main"]
 
 
 def first_async_save(system_name: str, mode: str, path: str, size: int,
@@ -79,13 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file for the result")
     parser.add_argument("--corrupt-after-load", action="store_true", help="test hook: flip a loaded byte")
     a = parser.parse_args(argv)
-    from .state import VerificationError
+    from .state import EXIT_VERIFY, VerificationError
 
     try:
         result = first_async_save(a.system, a.mode, a.path, a.size, a.corrupt_after_load)
     except VerificationError as error:
         print(f"VerificationError: {error}", file=sys.stderr)
-        return VERIFY_FAILED
+        return EXIT_VERIFY
     with open(a.out, "w") as f:
         json.dump(result, f)
     return 0

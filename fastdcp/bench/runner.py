@@ -29,10 +29,10 @@ from .plan_scale import run_plan_scale
 from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
 from .training_loop import run_train_loop
-from .state import VerificationError
+from .state import EXIT_VERIFY, VerificationError
 from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
 
-EXIT_OK, EXIT_USAGE, EXIT_VERIFY, EXIT_NO_FASTDCP = 0, 2, 3, 4
+EXIT_OK, EXIT_USAGE, EXIT_NO_FASTDCP = 0, 2, 4  # EXIT_VERIFY (3): .state
 SHM = "/dev/shm"
 
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.

@@ -30,12 +30,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from .config import BenchConfig, fmt_size
 from .floor import FLOOR, FLOOR_PLANNERS, NullStorageReader, NullStorageWriter
-from .first_save import VERIFY_FAILED
 from .pagecache import COLD_DROP, dir_bytes, fs_info, make_cold, same_device, warm_files
 from .peers import Peer
 from .process_group import OneRankGroup
 from .results import GIB, Recorder
-from .state import (SCRIBBLE_BYTE, StateSpec, VerificationError, build_destination, build_state,
+from .state import (EXIT_VERIFY, SCRIBBLE_BYTE, StateSpec, VerificationError, build_destination, build_state,
                     clone_state, corrupt_one_byte, destination_from_metadata, llm_like_spec, scribble,
                     small_tensor_spec, state_nbytes, verify_state)
 from .systems import System
@@ -773,7 +772,7 @@ def _first_save_child(system: str, mode: str, path: str, size: int, out: str,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_FIRST_SAVE_TIMEOUT_S)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout)[-3000:]
-        if proc.returncode == VERIFY_FAILED:
+        if proc.returncode == EXIT_VERIFY:
             raise VerificationError(f"async_first/{mode} [{system}]: the child's checkpoint did not verify:\n{tail}")
         raise RuntimeError(f"async_first/{mode} [{system}]: the child exited with {proc.returncode}:\n{tail}")
     with open(out) as f:

@@ -30,6 +30,9 @@ class VerificationError(RuntimeError):
     """A loaded value differs from what was saved. The benchmark must fail loudly."""
 
 
+EXIT_VERIFY = 3  # the exit code of a run (the suite, or a scenario's child) whose checkpoint did not verify
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
