@@ -13,6 +13,7 @@ The package, one stage a folder (docs/ARCHITECTURE.md walks one save and one loa
     load/      FastFileSystemReader: header pass, pieces, CPU and GPU placement, verification
     planners/  FastSavePlanner / FastLoadPlanner: cached, bulk-built plans
     cli/       python -m fastdcp inspect | verify
+    compat/    the torch internals fastdcp relies on, and how it follows each release
 """
 
 from __future__ import annotations
@@ -22,20 +23,26 @@ import platform
 
 import torch
 
-from . import _C
-from .default_storage import HookNotFoundError, RestoreOnExit, disable, enable, is_enabled
-from .format.blob import BlobFormatError
-from .format.checksums import ChecksumError
-from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals
-from .load.lazy import ChunkInfo, LazyCheckpoint, ObjectInfo, TensorInfo, TensorSlice
-from .load.lazy import open_checkpoint as open  # noqa: A001 - fastdcp.open(path), like safetensors' safe_open
-from .load.reader import ConcurrentOverwriteError, FastFileSystemReader
-from .planners import FastLoadPlanner, FastSavePlanner
-from .save.async_staging import StagingFuture, StagingReport, wait_for_staging
-from .save.guard import StagingGuard, guard
-from .save.inflight import ConcurrentSaveError
-from .save.staging_pool import StagingPoolStats, release_staging, set_staging_pool_limit, staging_pool_stats
-from .save.writer import FastFileSystemWriter
+from .compat.torch_internals import TorchInternalsMissing, require_internals
+
+# First: on a torch that lacks an internal fastdcp relies on, refuse here with one error naming the
+# torch version and each missing piece (fastdcp/compat/torch_internals.py), not deep inside a module.
+require_internals()
+
+from . import _C  # noqa: E402
+from .default_storage import HookNotFoundError, RestoreOnExit, disable, enable, is_enabled  # noqa: E402
+from .format.blob import BlobFormatError  # noqa: E402
+from .format.checksums import ChecksumError  # noqa: E402
+from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals  # noqa: E402
+from .load.lazy import ChunkInfo, LazyCheckpoint, ObjectInfo, TensorInfo, TensorSlice  # noqa: E402
+from .load.lazy import open_checkpoint as open  # noqa: A001,E402 - fastdcp.open(path), like safetensors' safe_open
+from .load.reader import ConcurrentOverwriteError, FastFileSystemReader  # noqa: E402
+from .planners import FastLoadPlanner, FastSavePlanner  # noqa: E402
+from .save.async_staging import StagingFuture, StagingReport, wait_for_staging  # noqa: E402
+from .save.guard import StagingGuard, guard  # noqa: E402
+from .save.inflight import ConcurrentSaveError  # noqa: E402
+from .save.staging_pool import StagingPoolStats, release_staging, set_staging_pool_limit, staging_pool_stats  # noqa: E402
+from .save.writer import FastFileSystemWriter  # noqa: E402
 
 # The library logs through this one logger and never prints: without a handler configured by the
 # application, nothing appears (not even warnings through logging's last-resort handler).
@@ -68,6 +75,7 @@ __all__ = [
     "is_enabled",
     "RestoreOnExit",
     "HookNotFoundError",
+    "TorchInternalsMissing",
     "open",
     "LazyCheckpoint",
     "TensorSlice",

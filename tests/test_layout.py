@@ -13,12 +13,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fastdcp"
 
 # What each part of the package may import from fastdcp (besides itself and the native _C).
 ALLOWED = {
-    "format": set(),
-    "io": {"format"},
-    "save": {"format", "io"},
-    "load": {"format", "io"},
-    "planners": {"format", "io"},
-    "cli": {"format", "io", "load"},
+    "compat": set(),
+    "format": {"compat"},
+    "io": {"format", "compat"},
+    "save": {"format", "io", "compat"},
+    "load": {"format", "io", "compat"},
+    "planners": {"format", "io", "compat"},
+    "cli": {"format", "io", "load", "compat"},
 }
 TOP_LEVEL = {"fastdcp", "fastdcp.__main__", "fastdcp._C"}
 

@@ -50,6 +50,8 @@ from torch.distributed.checkpoint.resharding import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor, Shard
 
+from ..compat.torch_internals import valid_plan_result, validation_passed
+
 __all__ = [
     "ModelShape",
     "LLAMA_7B",
@@ -341,9 +343,11 @@ def deferred_stock_validation() -> Iterator[list[tuple[list[SavePlan], Metadata]
     captured: list[tuple[list[SavePlan], Metadata]] = []
     original = _default_planner._validate_global_plan
 
-    def record(global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
+    valid = valid_plan_result()  # this release's "valid" (True, or no messages)
+
+    def record(global_plan: list[SavePlan], metadata: Metadata) -> Any:
         captured.append((global_plan, metadata))
-        return []
+        return valid
 
     _default_planner._validate_global_plan = record
     try:
@@ -376,8 +380,8 @@ def estimate_validation(global_plan: list[SavePlan], metadata: Metadata) -> Vali
     for fqns in groups.values():
         sample = Metadata({fqns[0]: metadata.state_dict_metadata[fqns[0]]})
         started = time.perf_counter()
-        problems = validate(global_plan, sample)
+        passed, messages = validation_passed(validate(global_plan, sample))
         seconds += (time.perf_counter() - started) * len(fqns)
-        errors += len(problems) if isinstance(problems, list) else int(problems is False)
+        errors += len(messages) or int(not passed)
     return ValidationEstimate(seconds=seconds, sampled=len(groups), entries=len(metadata.state_dict_metadata),
                               errors=errors)

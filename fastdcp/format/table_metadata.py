@@ -376,6 +376,18 @@ class TableEntries(Mapping):
 class TableMetadata(Metadata):
     """A ``Metadata`` whose chunks are ``chunk_table`` (see the module docstring)."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # ``dataclasses.replace(md, version=...)`` (torch 2.11's ``FileSystemWriter.finish``; any
+        # planner may do the same) calls the class with stock's five fields, every one read from
+        # ``md`` and so built, and no table: the copy is then what it would be for a stock
+        # ``Metadata``, a stock ``Metadata`` with the same fields (extra attributes are dropped by
+        # ``replace`` as they are for stock's). Python skips ``__init__`` for it (not a TableMetadata).
+        if "state_dict_metadata" in kwargs:
+            if isinstance(kwargs.get("storage_data"), TableStorageData):
+                kwargs["storage_data"] = kwargs["storage_data"].as_dict()
+            return Metadata(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, chunk_table: ChunkTable, planner_data: Any = None, storage_meta: Any = None,
                  version: str | None = None) -> None:
         # Metadata.__init__ is not called: it would assign the two lazy fields.

@@ -36,10 +36,12 @@ import logging
 import os
 import resource
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -101,6 +103,11 @@ def pin_limit() -> int:
     return max(0, min(_PIN_FILES_LIMIT, soft // 4))
 
 
+def _unreadable(error: Exception, rank: int) -> CheckpointException:
+    """``error`` (reading a checkpoint's ``.metadata``) as DCP reports a rank's failed load step."""
+    return CheckpointException(str(error), {rank: (error, traceback.extract_tb(error.__traceback__))})
+
+
 class FastFileSystemReader(FileSystemReader):
     """Drop-in replacement for :class:`torch.distributed.checkpoint.FileSystemReader`.
 
@@ -155,6 +162,8 @@ class FastFileSystemReader(FileSystemReader):
         # relative path; consumed by read_data, closed when the load ends.
         self._pinned: dict[str, tuple[_C.File, bool]] = {}  # relative path -> (file, opened O_DIRECT)
         self._metadata_read: Metadata | None = None
+        # The error of the last read_metadata() without rank=, until the next read (see there).
+        self._failed_global_read: Exception | None = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         stock_items: list[ReadItem] = []
@@ -191,6 +200,7 @@ class FastFileSystemReader(FileSystemReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         self._state_dict_metadata = None
+        self._failed_global_read = None
         self._unpin()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -221,9 +231,32 @@ class FastFileSystemReader(FileSystemReader):
         through :func:`fastdcp.io.checkpoint_files.load_metadata`: restricted unpickling unless
         ``allow_unsafe_metadata``, then structural validation and a check that no data file
         path leads out of the checkpoint; errors name the file. The parsed file is remembered
-        (:class:`MetadataCache`) until it changes."""
+        (:class:`MetadataCache`) until it changes.
+
+        DCP's load (torch 2.11 on) catches any ``Exception`` from ``read_metadata()``, asks for the
+        rank-local metadata instead (``rank=``) and, when that fails too, raises an error that drops
+        the first failure's message (2.11: ``AssertionError: metadata is None``) or quotes it among
+        others (2.13). So a ``rank=`` read that fails right after this reader's global read failed
+        raises the global read's error inside a :class:`CheckpointException` (DCP's own error for a
+        failed load, a ``BaseException`` that stock's fallback does not catch): on every release
+        the load fails with the error naming the file. A rank-local file that exists is read, as
+        stock reads it."""
+        rank = kwargs.get("rank")
+        try:
+            metadata = self._read_metadata(rank)
+        except Exception as error:
+            failed_global_read, self._failed_global_read = self._failed_global_read, None
+            if rank is None:
+                self._failed_global_read = error
+            elif failed_global_read is not None:
+                raise _unreadable(failed_global_read, rank) from error
+            raise
+        self._failed_global_read = None
+        return metadata
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
         for attempt in range(2):
-            metadata = metadata_cache.load(self.path, kwargs.get("rank"), self.allow_unsafe_metadata)
+            metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata)
             # Every data file the metadata names must stay inside the checkpoint (stock code reads
             # the items fastdcp hands back to it, so this is checked up front, not only in _open).
             if isinstance(metadata, TableMetadata) and metadata.table_answers_storage():

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items
 from torch.distributed.tensor import DTensor
 
+from ..compat.torch_internals import validation_passed
 from ..io.gc import gc_paused
 from .structure import _PLAIN_TENSOR_TYPES
 
@@ -187,9 +188,6 @@ def _global_plans_and_metadata(all_items: list[list[WriteItem]]) -> tuple[list[l
 def _validate(global_plans: list[SavePlan], state_dict_metadata: dict[str, Any]) -> None:
     """Stock's global plan validation (chunk bounds, overlaps, coverage), skipping the tensors whose
     single chunk trivially covers them."""
-    validate = getattr(_default_planner, "_validate_global_plan", None)
-    if validate is None:  # pragma: no cover - a torch without it
-        return
     to_check = {}
     for fqn, md in state_dict_metadata.items():
         if type(md) is TensorStorageMetadata:
@@ -199,9 +197,9 @@ def _validate(global_plans: list[SavePlan], state_dict_metadata: dict[str, Any])
             to_check[fqn] = md
     if not to_check:
         return
-    result = validate(global_plans, Metadata(to_check))
-    if result is False or (isinstance(result, list) and result):
-        summary = "; ".join(result) if isinstance(result, list) else ""
+    passed, messages = validation_passed(_default_planner._validate_global_plan(global_plans, Metadata(to_check)))
+    if not passed:
+        summary = "; ".join(messages)
         if len(summary) > 500:
             summary = summary[:500] + "... (truncated)"
         raise ValueError(f"Failed to validate global plan: {summary}" if summary else "Failed to validate global plan")

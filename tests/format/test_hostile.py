@@ -371,6 +371,30 @@ def test_rank_local_metadata(ckpt):
     assert torch.equal(out["w"], _state()["w"]) and out["step"] == 7
 
 
+def test_a_failed_rank_local_fallback_raises_the_global_reads_error(ckpt):
+    """DCP's load (2.11 on) swallows read_metadata()'s Exception and asks for rank=; 2.11 then loses
+    the message. The reader raises the global read's error as a CheckpointException there, which
+    stock's fallback does not catch, on every release."""
+    original = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(b"")
+    reader = FastFileSystemReader(ckpt)
+    with pytest.raises(CheckpointFormatError, match="empty") as first:
+        reader.read_metadata()
+    with pytest.raises(CheckpointException) as fallback:
+        reader.read_metadata(rank=0)
+    (error, _trace), = fallback.value.failures.values()
+    assert error is first.value and str(ckpt / ".metadata") in str(fallback.value)
+    assert isinstance(fallback.value.__cause__, CheckpointNotFoundError)  # no __0.metadata either
+    # Without a failed global read just before, a rank= read raises its own error, as stock's does.
+    with pytest.raises(CheckpointNotFoundError):
+        reader.read_metadata(rank=0)
+    # A rank-local file that exists is read after a failed global read, as stock reads it.
+    (ckpt / "__0.metadata").write_bytes(original)
+    with pytest.raises(CheckpointFormatError, match="empty"):
+        reader.read_metadata()
+    assert reader.read_metadata(rank=0).storage_data
+
+
 class CustomPlannerData:
     """A class a custom planner might store in the metadata (importable: tests/ is on sys.path)."""
 

@@ -8,6 +8,7 @@ path outside the checkpoint, or does not match its ``.metadata`` is ignored with
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import pickle
@@ -144,6 +145,19 @@ def test_copies():
     assert deep.chunk_table is not table and deep == stock
     assert deep.chunk_table.offsets.data_ptr() != table.offsets.data_ptr()
     assert "TableMetadata(" in repr(tm) and "entries" in repr(tm)
+
+
+def test_dataclasses_replace_gives_a_stock_metadata_with_the_same_fields():
+    # torch 2.11's FileSystemWriter.finish: dataclasses.replace(metadata, version=...) (2.13 assigns)
+    tm, stock, _ = _pair(6, checksums="rows")
+    tm.storage_data[next(iter(stock.storage_data))]  # a half-built lookup view: a dict in the copy
+    replaced = dataclasses.replace(tm, version="9.9")
+    assert type(replaced) is Metadata and replaced.version == "9.9" and tm.version != "9.9"
+    assert type(replaced.storage_data) is dict
+    T.assert_same_objects(replaced.state_dict_metadata, stock.state_dict_metadata)
+    T.assert_same_objects(replaced.storage_data, stock.storage_data)
+    assert (replaced.planner_data, replaced.storage_meta) == (stock.planner_data, stock.storage_meta)
+    assert type(dataclasses.replace(tm)) is Metadata and dataclasses.replace(tm) == tm
 
 
 def test_entry_views_build_one_chunk_at_a_time():

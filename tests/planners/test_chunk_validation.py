@@ -24,6 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint import default_planner as _stock_planner
 from torch.distributed.checkpoint.default_planner import _validate_global_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -63,9 +64,32 @@ def _kinds_by_key(messages: list[str]) -> dict[str, set[str]]:
     return found
 
 
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(" ".join(record.getMessage().split()))
+
+
 def _stock(metadata: Metadata, several_ranks: bool) -> list[str]:
+    """Stock's messages. Since 2.13 ``_validate_global_plan`` returns them; before it returned a
+    bool and only logged each one (as a warning, the same words over several lines), which are
+    collected from stock's logger then, in the one-line form."""
     plans = [SavePlan([])] * (2 if several_ranks else 1)
-    return _validate_global_plan(plans, metadata)
+    collect = _Collect()
+    stock_logger = _stock_planner.logger
+    stock_logger.addHandler(collect)
+    try:
+        result = _validate_global_plan(plans, metadata)
+    finally:
+        stock_logger.removeHandler(collect)
+    if isinstance(result, bool):
+        assert result == (not collect.messages), (result, collect.messages)
+        return collect.messages
+    assert result == collect.messages
+    return result
 
 
 def _assert_matches_stock(metadata: Metadata) -> list[str]:

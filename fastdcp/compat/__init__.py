@@ -1,0 +1,1 @@
+"""What fastdcp relies on in torch beyond its public API, in one place (:mod:`.torch_internals`)."""
