@@ -20,6 +20,7 @@ import inspect
 import io
 import math
 import os
+import warnings
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -148,6 +149,27 @@ for _n in ("quint4x2", "quint2x4"):
     STOCK_UNSUPPORTED_DTYPES[_n] = (
         "stock writer clones the tensor: copy_kernel not implemented for it"
     )
+
+
+
+def _cannot_copy(dtype: torch.dtype) -> bool:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+            torch.empty(4, dtype=dtype).clone()
+    except (NotImplementedError, RuntimeError, TypeError):
+        return True
+    return False
+
+
+# Dtypes this torch cannot copy (torch 2.9: float4_e2m1fn_x2, "copy_kernel not implemented"), beyond
+# the ones above: stock's reader copies every loaded tensor into its destination, so a stock load
+# of one fails on this release (fastdcp's reader places the bytes without a copy kernel).
+UNCOPYABLE_DTYPES: frozenset[str] = frozenset(
+    dtype_name(d) for d in all_torch_dtypes()
+    if dtype_name(d) not in STOCK_UNSUPPORTED_DTYPES and not dtype_name(d).startswith(("qint", "quint"))
+    and _cannot_copy(d)
+)
 
 _QPARAMS = {  # dtype name -> (scale, zero_point)
     "qint8": (0.05, 3),

@@ -28,6 +28,7 @@ raises, so ``except FileNotFoundError`` keeps working). Every message names the 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import io
 import pathlib
@@ -279,6 +280,8 @@ class _MemFormatToken(int):
 
 
 _MEM_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
+# torch 2.15 added TensorProperties.strides (pickled as a sixth field of its state).
+TENSOR_PROPERTIES_HAVE_STRIDES = "strides" in {f.name for f in dataclasses.fields(_md.TensorProperties)}
 
 
 class _MemFormatCall(_Inert):
@@ -313,10 +316,16 @@ class _PathCall(_Inert):
 
 def _tensor_properties_setstate(self: Any, state: Any) -> None:
     # metadata.TensorProperties.__setstate__, taking the memory-format token instead of the enum.
-    if type(state) is tuple and len(state) == 5:
-        dtype, layout, requires_grad, encoding, pin_memory = state
+    # Five fields up to torch 2.14; 2.15 appends the tensor's strides (a tuple of ints, or None),
+    # and reads a five-field state with strides None. A torch whose TensorProperties has no strides
+    # field drops them (nothing of DCP reads them there), where its own unpickler would fail.
+    if type(state) is tuple and len(state) in (5, 6):
+        dtype, layout, requires_grad, encoding, pin_memory = state[:5]
+        strides = state[5] if len(state) == 6 else None
         if type(encoding) is not _MemFormatToken:
             raise _Reject("TensorProperties state with an invalid memory format encoding")
+        if strides is not None and (type(strides) is not tuple or not all(type(x) is int for x in strides)):
+            raise _Reject("TensorProperties state with strides that are not a tuple of ints")
         d = object.__getattribute__(self, "__dict__")
         d.update(
             dtype=dtype,
@@ -325,6 +334,8 @@ def _tensor_properties_setstate(self: Any, state: Any) -> None:
             memory_format=_MEM_FORMATS[int(encoding)],
             pin_memory=pin_memory,
         )
+        if TENSOR_PROPERTIES_HAVE_STRIDES:
+            d["strides"] = strides
     elif type(state) is dict and all(type(k) is str for k in state):  # a plain dataclass pickle
         object.__getattribute__(self, "__dict__").update(state)
     else:

@@ -286,7 +286,7 @@ class _Stream:
 
 class _Shared:
     """The objects written once for the whole file and referenced from then on: ``torch.Size``
-    values (keyed by their ints) and ``TensorProperties`` (keyed by their type and 5 fields).
+    values (keyed by their ints) and ``TensorProperties`` (keyed by their type and fields).
     Each takes one memo slot. Lives for one :func:`write_metadata` call (the identity cache of
     properties relies on the table keeping its objects alive meanwhile)."""
 
@@ -323,7 +323,9 @@ class _Shared:
         if get is not None:
             return get
         try:
-            key = (type(props), props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
+            # (strides: torch 2.15's sixth field, None where a tensor recorded none or torch has none)
+            key = (type(props), props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory,
+                   getattr(props, "strides", None))
             hash(key)
         except (AttributeError, TypeError):
             return _pickled_fast(props)

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items, _cr
 from torch.distributed.tensor import DTensor
 
 from ..compat.torch_internals import validation_passed
+from ..format.metadata import TENSOR_PROPERTIES_HAVE_STRIDES
 from ..io.gc import gc_paused
 from .structure import _PLAIN_TENSOR_TYPES
 
@@ -61,13 +62,16 @@ class _SharedParts:
         return chunk
 
     def tensor_properties(self, tensor: torch.Tensor) -> TensorProperties:
-        # TensorProperties.create_from_tensor, shared between equal tensors.
-        key = (tensor.dtype, tensor.layout, tensor.requires_grad, tensor.is_pinned())
+        # TensorProperties.create_from_tensor, shared between equal tensors (since torch 2.15 it
+        # records the tensor's strides too).
+        strides = tensor.stride() if TENSOR_PROPERTIES_HAVE_STRIDES else None
+        key = (tensor.dtype, tensor.layout, tensor.requires_grad, tensor.is_pinned(), strides)
         props = self.properties.get(key)
         if props is None:
+            fields = {"strides": strides} if TENSOR_PROPERTIES_HAVE_STRIDES else {}
             props = self.properties[key] = TensorProperties(
                 dtype=key[0], layout=key[1], requires_grad=key[2], memory_format=torch.contiguous_format,
-                pin_memory=key[3],
+                pin_memory=key[3], **fields,
             )
         return props
 

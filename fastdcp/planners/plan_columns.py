@@ -150,10 +150,12 @@ def encode_columns(items: Sequence[WriteItem]) -> tuple[ItemStructure, bytes, by
             if len(offsets) != len(chunk_sizes) or len(offsets) != len(data.size):
                 return None
             ndims.append(len(offsets))
-            # Equal properties and sizes as one object each, so the blob pickles each once.
+            # Equal properties and sizes as one object each, so the blob pickles each once
+            # (strides: torch 2.15's sixth field).
             props = data.properties
             properties.append(shared.setdefault(
-                (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory), props))
+                (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory,
+                 getattr(props, "strides", None)), props))
             sizes.append(shared.setdefault(data.size, data.size))
             extend((NO_HINT if index.index is None else index.index, *offsets, *chunk_sizes))
         fqns.append(index.fqn)

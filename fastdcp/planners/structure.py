@@ -17,6 +17,7 @@ from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
+from ..format.metadata import TENSOR_PROPERTIES_HAVE_STRIDES
 from ..io.gc import gc_paused
 
 
@@ -54,7 +55,9 @@ class _FlatStateDict:
 
 
 def _tensor_signature(value: torch.Tensor) -> tuple[Any, ...]:
-    return (type(value), value.shape, value.dtype, value.layout, value.requires_grad, value.is_pinned())
+    # Since torch 2.15 a plan's TensorProperties record the tensor's strides.
+    strides = value.stride() if TENSOR_PROPERTIES_HAVE_STRIDES else None
+    return (type(value), value.shape, value.dtype, value.layout, value.requires_grad, value.is_pinned(), strides)
 
 
 def _leaf_signature(value: Any, for_load: bool) -> tuple[Any, ...] | None:

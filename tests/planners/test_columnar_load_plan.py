@@ -12,6 +12,7 @@ group backend (``FakeStore``): one process group per rank, destroyed before the 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import random
 import warnings
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint import planner_helpers
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dcp_cases as C
@@ -88,10 +90,24 @@ def fast_outcome(sd, md: TableOnlyMetadata, **kw):
         return (type(e), str(e))
 
 
+# Stock's order of a tensor's read items: since 2.11 a sweep over the chunks sorted along the longest
+# dimension (fastdcp's order); up to 2.9 every (local chunk, stored chunk) pair in index order. The
+# items are the same; the order decides nothing in a load. Where stock does not sweep, plans are
+# compared as multisets of items.
+STOCK_SWEEPS = "sweep" in inspect.getsource(planner_helpers.create_read_items_for_chunk_list)
+
+
+def assert_plans_equal(got, expected) -> None:
+    if STOCK_SWEEPS or not isinstance(expected, list) or not isinstance(got, list):
+        assert got == expected
+    else:
+        assert sorted(got, key=repr) == sorted(expected, key=repr)
+
+
 def assert_same_plan(sd, md: Metadata, **kw) -> list:
     expected = stock_outcome(sd, md, **kw)
     got = fast_outcome(sd, table_only(md), **kw)
-    assert got == expected
+    assert_plans_equal(got, expected)
     return expected
 
 
@@ -363,7 +379,7 @@ def test_meta_destination_takes_stock_set_up_and_plans_from_the_table(saved_layo
     with fake_rank(0, 1):
         expected = stock_outcome(destination(), md)
         got = fast_outcome(destination(), table_only(md))
-    assert got == expected
+    assert_plans_equal(got, expected)
     assert [fields[1] for fields in expected] == ["w"] * 4 + ["v"] * 3
 
 
@@ -419,7 +435,7 @@ def test_plan_cache_is_keyed_on_the_table(saved_layouts):
     for metadata in (first, first, table_only(md)):
         planner.set_up_planner(sd, metadata, False)
         plan = planner.create_local_plan()
-        assert [item_fields(i) for i in plan.items] == stock_outcome(sd, md)
+        assert_plans_equal([item_fields(i) for i in plan.items], stock_outcome(sd, md))
     # the same table again hits; a new table object (another read of the file) replans
     assert (planner.local_plan_hits, planner.local_plan_misses) == (1, 2)
 
