@@ -26,6 +26,13 @@ release of the CI matrix, see README "Supported torch releases"):
   ``FastFileSystemReader.read_metadata`` raises a failed read's error as DCP's
   ``CheckpointException`` when the rank-local read that follows fails too, so every release reports
   the file and the problem.
+* ``TensorProperties`` gains ``strides`` in 2.15 (a sixth field of its pickled state):
+  ``fastdcp.format.metadata.TENSOR_PROPERTIES_HAVE_STRIDES`` says whether this release has it; the
+  restricted unpickler reads five or six fields (dropping strides where the field does not exist),
+  the bulk planner records them as ``create_from_tensor`` does, and every dedup of properties keys
+  on them.
+* Up to 2.9 stock plans a tensor's read items pair by pair in chunk order; since 2.11 by a sweep
+  (fastdcp's order). The items are the same; tests compare them as a multiset on 2.9.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ __all__ = [
     "valid_plan_result",
 ]
 
-# The torch releases whose whole test suite passed with every entry below (CI's matrix, .ci/run).
+# The torch releases CI checks every entry below on (.ci/run: the whole suite on 2.11.0, 2.13.0 and
+# 2.15.0, the interop subset on 2.9.1, whose whole suite passed when the matrix was set up).
 CHECKED_ON = ("2.9.1", "2.11.0", "2.13.0", "2.15.0")
 
 _DCP = "torch.distributed.checkpoint"
