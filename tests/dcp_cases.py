@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import inspect
 import io
+import logging
 import math
 import os
 import warnings
@@ -679,3 +680,21 @@ def gloo_rank_mesh(rank: int, store: str, world_size: int = 2) -> Iterator[Any]:
     finally:
         dist.destroy_process_group()
     exit_spawned_rank()
+
+
+@contextmanager
+def warnings_logged_by(logger: logging.Logger) -> Iterator[list[str]]:
+    """The warnings ``logger`` emits inside the block, each message on one line (whitespace runs
+    collapsed). torch's loggers do not propagate to the root logger, so pytest's caplog misses them."""
+    messages: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(" ".join(record.getMessage().split()))
+
+    handler = _Collect(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

@@ -27,10 +27,10 @@ release of the CI matrix, see README "Supported torch releases"):
   ``CheckpointException`` when the rank-local read that follows fails too, so every release reports
   the file and the problem.
 * ``TensorProperties`` gains ``strides`` in 2.15 (a sixth field of its pickled state):
-  ``fastdcp.format.metadata.TENSOR_PROPERTIES_HAVE_STRIDES`` says whether this release has it; the
-  restricted unpickler reads five or six fields (dropping strides where the field does not exist),
-  the bulk planner records them as ``create_from_tensor`` does, and every dedup of properties keys
-  on them.
+  :data:`TENSOR_PROPERTIES_HAVE_STRIDES` says whether this release has it; the restricted
+  unpickler reads five or six fields (dropping strides where the field does not exist), the bulk
+  planner records them as ``create_from_tensor`` does, and every dedup of properties keys on
+  :func:`tensor_properties_key`, which reads every field this release's class has.
 * Up to 2.9 stock plans a tensor's read items pair by pair in chunk order; since 2.11 by a sweep
   (fastdcp's order). The items are the same; tests compare them as a multiset on 2.9.
 """
@@ -40,8 +40,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import operator
 import sys
 from typing import Any
+
+from torch.distributed.checkpoint.metadata import TensorProperties
 
 __all__ = [
     "Internal",
@@ -53,6 +56,8 @@ __all__ = [
     "require_internals",
     "validation_passed",
     "valid_plan_result",
+    "TENSOR_PROPERTIES_HAVE_STRIDES",
+    "tensor_properties_key",
 ]
 
 # The torch releases CI checks every entry below on (.ci/run: the whole suite on 2.11.0, 2.13.0 and
@@ -83,7 +88,7 @@ class Internal:
 
 
 def _dcp(module: str) -> str:
-    return f"{_DCP}.{module}" if module else _DCP
+    return f"{_DCP}.{module}"
 
 
 INTERNALS: tuple[Internal, ...] = (
@@ -191,7 +196,7 @@ def _torch_version() -> str:
 def require_internals(internals: tuple[Internal, ...] = INTERNALS) -> None:
     """Raise :class:`TorchInternalsMissing` naming the torch version and every required internal
     this torch lacks (the optional ones fall back as their entry says)."""
-    missing = [(i, why) for i, why in missing_internals(tuple(i for i in internals if i.required))]
+    missing = missing_internals(tuple(i for i in internals if i.required))
     if not missing:
         return
     lines = "\n".join(f"  {i.qualified} (used by fastdcp's {i.used_by}: {i.used_for}): {why}" for i, why in missing)
@@ -230,3 +235,16 @@ def validation_passed(result: Any) -> tuple[bool, list[str]]:
         return result, []
     messages = list(result)
     return not messages, messages
+
+
+_TENSOR_PROPERTIES_FIELDS = tuple(f.name for f in dataclasses.fields(TensorProperties))
+# torch 2.15 added TensorProperties.strides (pickled as a sixth field of its state).
+TENSOR_PROPERTIES_HAVE_STRIDES = "strides" in _TENSOR_PROPERTIES_FIELDS
+_properties_fields = operator.attrgetter(*_TENSOR_PROPERTIES_FIELDS)
+
+
+def tensor_properties_key(props: Any) -> tuple[Any, ...]:
+    """Every field of this release's ``TensorProperties`` (strides since 2.15), as a tuple: what
+    makes two properties objects interchangeable, so every dedup of them keys on this rather than
+    on a list of fields that a release can outgrow. ``AttributeError`` for an object without them."""
+    return _properties_fields(props)

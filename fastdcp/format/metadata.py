@@ -28,7 +28,6 @@ raises, so ``except FileNotFoundError`` keeps working). Every message names the 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import importlib
 import io
 import pathlib
@@ -43,6 +42,8 @@ import torch
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint import filesystem as _stock_fs
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from ..compat.torch_internals import TENSOR_PROPERTIES_HAVE_STRIDES
 
 __all__ = [
     "METADATA_NAME",
@@ -280,8 +281,6 @@ class _MemFormatToken(int):
 
 
 _MEM_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
-# torch 2.15 added TensorProperties.strides (pickled as a sixth field of its state).
-TENSOR_PROPERTIES_HAVE_STRIDES = "strides" in {f.name for f in dataclasses.fields(_md.TensorProperties)}
 
 
 class _MemFormatCall(_Inert):

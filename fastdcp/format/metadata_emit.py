@@ -47,6 +47,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ..compat.torch_internals import tensor_properties_key
 from .chunk_table import NO_CHECKSUM, ChunkTable
 from .metadata import CHECKSUM_ATTRIBUTE
 
@@ -323,9 +324,7 @@ class _Shared:
         if get is not None:
             return get
         try:
-            # (strides: torch 2.15's sixth field, None where a tensor recorded none or torch has none)
-            key = (type(props), props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory,
-                   getattr(props, "strides", None))
+            key = (type(props), *tensor_properties_key(props))
             hash(key)
         except (AttributeError, TypeError):
             return _pickled_fast(props)

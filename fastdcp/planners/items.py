@@ -30,8 +30,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items
 from torch.distributed.tensor import DTensor
 
-from ..compat.torch_internals import validation_passed
-from ..format.metadata import TENSOR_PROPERTIES_HAVE_STRIDES
+from ..compat.torch_internals import TENSOR_PROPERTIES_HAVE_STRIDES, validation_passed
 from ..io.gc import gc_paused
 from .structure import _PLAIN_TENSOR_TYPES
 

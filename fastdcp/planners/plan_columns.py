@@ -33,6 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ..compat.torch_internals import tensor_properties_key
 from ..format.chunk_table import int64_values, tensor_bytes
 from ..io.gc import gc_paused
 from .process_state import current_process_state
@@ -150,12 +151,9 @@ def encode_columns(items: Sequence[WriteItem]) -> tuple[ItemStructure, bytes, by
             if len(offsets) != len(chunk_sizes) or len(offsets) != len(data.size):
                 return None
             ndims.append(len(offsets))
-            # Equal properties and sizes as one object each, so the blob pickles each once
-            # (strides: torch 2.15's sixth field).
+            # Equal properties and sizes as one object each, so the blob pickles each once.
             props = data.properties
-            properties.append(shared.setdefault(
-                (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory,
-                 getattr(props, "strides", None)), props))
+            properties.append(shared.setdefault(tensor_properties_key(props), props))
             sizes.append(shared.setdefault(data.size, data.size))
             extend((NO_HINT if index.index is None else index.index, *offsets, *chunk_sizes))
         fqns.append(index.fqn)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..format.metadata import TENSOR_PROPERTIES_HAVE_STRIDES
+from ..compat.torch_internals import TENSOR_PROPERTIES_HAVE_STRIDES
 from ..io.gc import gc_paused
 
 

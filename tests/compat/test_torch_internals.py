@@ -6,7 +6,6 @@ differences the module names are followed on whatever torch runs the suite."""
 from __future__ import annotations
 
 import ast
-import logging
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+import dcp_cases as C
 from fastdcp.compat import torch_internals as TI
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fastdcp"
@@ -191,29 +191,16 @@ def _metadata(chunks: list[tuple[list[int], list[int]]], size: list[int]) -> Met
     return Metadata({"w": md})
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_stock_validation_is_read_in_this_releases_form():
     valid = TI.valid_plan_result()
     assert valid is True or valid == []  # True up to 2.11, [] since 2.13
     plans = [SavePlan([])]
     good = default_planner._validate_global_plan(plans, _metadata([([0, 0], [4, 4])], [4, 4]))
     assert good == valid and TI.validation_passed(good) == (True, [])
-    collect = _Collect()  # (torch's loggers do not propagate to the root logger)
-    default_planner.logger.addHandler(collect)
-    try:
+    with C.warnings_logged_by(default_planner.logger) as logged:
         bad = default_planner._validate_global_plan(plans, _metadata([([0, 0], [4, 8])], [4, 4]))
-    finally:
-        default_planner.logger.removeHandler(collect)
     passed, messages = TI.validation_passed(bad)
-    assert not passed and any("out of bounds" in m for m in collect.messages)
+    assert not passed and any("out of bounds" in m for m in logged)
     assert messages == ([] if isinstance(bad, bool) else bad) and (isinstance(bad, bool) or messages)
 
 

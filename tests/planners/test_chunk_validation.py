@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan
 
+import dcp_cases as C
 from fastdcp.format.chunk_table import ChunkTable, table_from_metadata
 from fastdcp.planners.chunk_validation import OVERLAP_PAIRS_PER_ENTRY, validate_chunk_table
 
@@ -72,31 +73,17 @@ def _kinds_by_key(messages: list[str]) -> dict[str, set[str]]:
     return found
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(" ".join(record.getMessage().split()))
-
-
 def _stock(metadata: Metadata, several_ranks: bool) -> list[str]:
     """Stock's messages. Since 2.13 ``_validate_global_plan`` returns them; before it returned a
     bool and only logged each one (as a warning, the same words over several lines), which are
     collected from stock's logger then, in the one-line form."""
     plans = [SavePlan([])] * (2 if several_ranks else 1)
-    collect = _Collect()
-    stock_logger = _stock_planner.logger
-    stock_logger.addHandler(collect)
-    try:
+    with C.warnings_logged_by(_stock_planner.logger) as logged:
         result = _validate_global_plan(plans, metadata)
-    finally:
-        stock_logger.removeHandler(collect)
     if isinstance(result, bool):
-        assert result == (not collect.messages), (result, collect.messages)
-        return collect.messages
-    assert result == collect.messages
+        assert result == (not logged), (result, logged)
+        return logged
+    assert result == logged
     return result
 
 
