@@ -30,6 +30,11 @@ def pytest_configure(config):
         "markers",
         "fastdcp_timeout(seconds): per-test wall-clock limit enforced with SIGALRM",
     )
+    config.addinivalue_line(
+        "markers",
+        "cuda: runs a GPU code path (skips without a CUDA device); `pytest -m cuda` is the GPU "
+        "acceptance command's test step",
+    )
     # Stock DCP warns on every no_dist save/load; keep the output readable.
     config.addinivalue_line(
         "filterwarnings",

@@ -9,17 +9,20 @@ from dataclasses import dataclass, field
 import torch
 
 from .peers import PEER_NAMES
-from .systems import SYSTEM_NAMES, standin_requested
+from .systems import ASYNC_VARIANT_NAMES, SYSTEM_NAMES, standin_requested
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "async_first", "train_loop",
                  "concurrency", "convert", "plan_scale")
-GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async")
-ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS
+GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async", "gpu_async_new_writer")
+# In no default list: the box copy alone (GPU kernel, or the CPU engine where there is no GPU).
+EXTRA_SCENARIOS = ("box_copy",)
+ALL_SCENARIOS = CPU_SCENARIOS + GPU_SCENARIOS + EXTRA_SCENARIOS
 QUICK_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "plan_scale")
-ASYNC_SCENARIOS = ("async", "async_new_writer", "async_first", "gpu_async")
+ASYNC_SCENARIOS = ("async", "async_new_writer", "async_first", "gpu_async", "gpu_async_new_writer")
 ASYNC_MODES = ("thread", "process")
+RESHARD_STAGES = ("ws2", "ws1", "ws4")     # reshard.py: world size of each stage's loading ranks
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
           "g": GiB, "gb": GiB, "gib": GiB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -61,6 +64,10 @@ class BenchConfig:
     fresh_planners: bool = False            # a new planner object per call instead of one reused
     async_modes: list[str] = field(default_factory=lambda: list(ASYNC_MODES))
     async_saves: int | None = None          # saves per system and mode (None: repeats + 1)
+    async_variants: list[str] = field(default_factory=list)   # + stock_zoc / fastdcp_overlap (systems.py)
+    train_devices: list[str] | None = None  # train_loop: devices to run on (None: cpu, + cuda when there)
+    reshard_device: str = "cpu"             # reshard: where the loading ranks' target tensors live
+    reshard_stages: list[str] = field(default_factory=lambda: ["ws2", "ws4"])
     reshard_size: int = 2 * GiB
     reshard_norms: int = 300                # replicated norm vectors in the reshard state
     small_repeats: int | None = None        # None: --repeats
@@ -137,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async saves per system and mode: `async` reuses one writer object, "
                         "`async_new_writer` makes a new one per save "
                         "(default --repeats + 1; the first is reported separately)")
+    p.add_argument("--async-variants", type=_csv,
+                   help="async scenarios: also stock_zoc (DefaultStager(StagingOptions(True, True, True, True))) "
+                        "and/or fastdcp_overlap (FastFileSystemWriter(async_staging=True)); default none")
+    p.add_argument("--async-wheres", type=_csv, help="targets of the async scenarios (default dir,shm; quick dir)")
+    p.add_argument("--train-devices", type=_csv,
+                   help="train_loop: cpu and/or cuda (default cpu, and cuda when available)")
+    p.add_argument("--reshard-device", choices=("cpu", "cuda"),
+                   help="reshard: where the loading ranks' DTensors live (default cpu; cuda: one GPU "
+                        "shared by the ranks when there is only one)")
+    p.add_argument("--reshard-stages", type=_csv,
+                   help="reshard stages from ws2 (save Shard(0)@2, load Shard(1)@2), ws1 (load whole at "
+                        "world size 1), ws4 (load Shard(0)@4); default ws2,ws4")
     p.add_argument("--train-steps", type=int,
                    help="train_loop: training steps per loop (default 24, quick 12)")
     p.add_argument("--train-every", type=int,
@@ -189,7 +208,7 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if torch.cuda.is_available():
             c.scenarios += list(GPU_SCENARIOS)
     elif torch.cuda.is_available():
-        c.scenarios = list(ALL_SCENARIOS)
+        c.scenarios = list(CPU_SCENARIOS + GPU_SCENARIOS)
     if a.size is not None:
         c.size = a.size
     c.reshard_size = a.reshard_size if a.reshard_size else (c.size // 4 if a.quick else c.size)
@@ -240,6 +259,26 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if bad:
             parser.error(f"unknown async mode(s) {bad}; choose from {','.join(ASYNC_MODES)}")
         c.async_modes = a.async_modes
+    if a.async_variants:
+        bad = [v for v in a.async_variants if v not in ASYNC_VARIANT_NAMES]
+        if bad:
+            parser.error(f"unknown async variant(s) {bad}; choose from {','.join(ASYNC_VARIANT_NAMES)}")
+        c.async_variants = a.async_variants
+    if a.async_wheres:
+        c.async_wheres = a.async_wheres
+    if a.train_devices:
+        bad = [d for d in a.train_devices if d not in ("cpu", "cuda")]
+        if bad:
+            parser.error(f"unknown train device(s) {bad}; choose from cpu,cuda")
+        c.train_devices = a.train_devices
+    if a.reshard_device:
+        c.reshard_device = a.reshard_device
+    if a.reshard_stages:
+        bad = [st for st in a.reshard_stages if st not in RESHARD_STAGES]
+        if bad or (any(st != "ws2" for st in a.reshard_stages) and a.reshard_stages[0] != "ws2"):
+            parser.error(f"--reshard-stages: choose from {','.join(RESHARD_STAGES)}, ws2 first (it saves the "
+                         f"checkpoints the others load)")
+        c.reshard_stages = a.reshard_stages
     # Counts and sizes given on the command line: (attribute, smallest allowed, why), one check.
     for name, least, why in (("async_saves", 1, ""), ("train_steps", 1, ""), ("train_every", 1, ""),
                              ("train_step_ms", None, ""), ("train_batch", 2, " (BatchNorm1d in training mode)")):

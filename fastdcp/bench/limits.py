@@ -88,9 +88,10 @@ class Limits:
     storage: dict[str, StorageLimit]
     h2d_gibps: float | None = None
     d2h_gibps: float | None = None
+    d2d_gibps: float | None = None       # device-to-device copy, payload bytes counted once
 
     def value(self, key: str | None) -> float | None:
-        """Resolve a limit key: 'memcpy', 'write:<where>', 'read:<where>', 'h2d', 'd2h',
+        """Resolve a limit key: 'memcpy', 'write:<where>', 'read:<where>', 'h2d', 'd2h', 'd2d',
         or 'min(a,b)'."""
         if not key:
             return None
@@ -99,7 +100,7 @@ class Limits:
             return min(vals) if vals and all(v for v in vals) else None
         if key == "memcpy":
             return self.memcpy_gibps
-        if key in ("h2d", "d2h"):
+        if key in ("h2d", "d2h", "d2d"):
             return getattr(self, f"{key}_gibps")
         op, _, where = key.partition(":")
         s = self.storage.get(where)
@@ -548,6 +549,24 @@ def pinned_bandwidth(nbytes: int, rounds: int = 3) -> tuple[float, float] | None
     return res
 
 
+def device_copy_bandwidth(nbytes: int, rounds: int = 5) -> float | None:
+    """GiB/s of a device-to-device copy of `nbytes` (counted once, not read + write), or None
+    without CUDA: the ceiling for the box-copy kernel, which reads and writes each byte once."""
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def d2d() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    res = nbytes / _best_time(d2d, rounds) / GIB
+    src = dst = None  # release before empty_cache (the closure above holds them)
+    torch.cuda.empty_cache()
+    return res
+
+
 def measure_limits(targets: dict[str, str], probe_bytes: int, probe_configs: list[tuple[int, int]],
                    memcpy_bytes: int, probe_method: str = "auto", progress=None) -> Limits:
     storage: dict[str, StorageLimit] = {}
@@ -559,5 +578,7 @@ def measure_limits(targets: dict[str, str], probe_bytes: int, probe_configs: lis
         progress("limits: memory copy")
     methods = memcpy_bandwidth(memcpy_bytes)
     pinned = pinned_bandwidth(min(memcpy_bytes, 1 << 30)) if torch.cuda.is_available() else None
+    d2d = device_copy_bandwidth(min(memcpy_bytes, 1 << 30)) if torch.cuda.is_available() else None
     return Limits(memcpy_gibps=max(methods.values()), memcpy_methods=methods, storage=storage,
-                  h2d_gibps=pinned[0] if pinned else None, d2h_gibps=pinned[1] if pinned else None)
+                  h2d_gibps=pinned[0] if pinned else None, d2h_gibps=pinned[1] if pinned else None,
+                  d2d_gibps=d2d)

@@ -66,7 +66,8 @@ def header_lines(machine: dict[str, Any], limits: Limits | None, cold_method: st
         meth = ", ".join(f"{k} {v:.2f}" for k, v in limits.memcpy_methods.items())
         lines.append(f"limit  memcpy     {limits.memcpy_gibps:.2f} GiB/s (best of: {meth})")
         if limits.h2d_gibps:
-            lines.append(f"limit  pinned     H2D {limits.h2d_gibps:.2f} GiB/s, D2H {_f(limits.d2h_gibps)} GiB/s")
+            lines.append(f"limit  pinned     H2D {limits.h2d_gibps:.2f} GiB/s, D2H {_f(limits.d2h_gibps)} GiB/s"
+                         + (f", D2D {_f(limits.d2d_gibps)} GiB/s (bytes counted once)" if limits.d2d_gibps else ""))
     lines.append(f"cold page cache: {cold_method or 'not available: warm only'}"
                  + (" (global, after os.sync)" if cold_method == "drop_caches" else
                     " (per file, after os.sync)" if cold_method == "fadvise_dontneed" else ""))

@@ -44,6 +44,7 @@ class ReshardJob:
     corrupt_after_load: str | None
     out_path: str
     fresh_planners: bool = False
+    load_device: str = "cpu"      # where the load targets live ("cuda": every rank on GPU rank % count)
 
 
 def _rchar() -> int:
@@ -68,8 +69,11 @@ def _box(shape: tuple[int, ...], dim: int, rank: int, ws: int) -> tuple[tuple[in
     return tuple(local), tuple(offs)
 
 
-def _local_state(spec: StateSpec, mesh, dim: int, rank: int, ws: int, fill: bool) -> tuple[dict, dict]:
-    """(state dict with DTensors, {name: expected local tensor}) for a Shard(dim) layout."""
+def _local_state(spec: StateSpec, mesh, dim: int, rank: int, ws: int, fill: bool,
+                 device: str = "cpu") -> tuple[dict, dict]:
+    """(state dict with DTensors, {name: expected local tensor}) for a Shard(dim) layout; at world
+    size 1 plain whole tensors (a rank alone loads whole tensors). The expected tensors are on the
+    CPU; a load target (`fill=False`) lives on `device` (the mesh's device type)."""
     from torch.distributed.tensor import DTensor, Shard
 
     sd: dict[str, Any] = {}
@@ -80,14 +84,17 @@ def _local_state(spec: StateSpec, mesh, dim: int, rank: int, ws: int, fill: bool
             local = fill_box(torch.empty(shape, dtype=t.dtype), t, offs)
             expected[t.name] = local
             if not fill:
-                local = torch.empty_like(local)
+                local = torch.empty_like(local, device=device)
+            if ws == 1:
+                sd[t.name] = local
+                continue
             gstride = torch.empty(t.shape, dtype=t.dtype, device="meta").stride()
             sd[t.name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False,
                                             shape=torch.Size(t.shape), stride=gstride)
         else:
             full = make_tensor(t)
             expected[t.name] = full
-            sd[t.name] = full if fill else torch.empty_like(full)
+            sd[t.name] = full if fill else torch.empty_like(full, device=device)
     for k, v in spec.objects:
         sd[k] = v if fill else None
     return sd, expected
@@ -125,6 +132,10 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
     failure: str | None = None
     try:
         mesh = init_device_mesh("cpu", (ws,))
+        load_mesh = mesh
+        if job.load_device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU: every rank shares it
+            load_mesh = init_device_mesh("cuda", (ws,))
         t_ready = time.time()
         systems = resolve_systems(job.systems, job.standin)
         spec = job.spec
@@ -166,10 +177,13 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
                 records.append({"system": s.name, "op": "save", "layout": "Shard(0)@2",
                                 "seconds": dt, "bytes_read": None})
             del src
-            dest, expected = _local_state(spec, mesh, 1, rank, ws, fill=False)
+            dest, expected = _local_state(spec, load_mesh, 1, rank, ws, fill=False, device=job.load_device)
             layout = "Shard(0)@2->Shard(1)@2"
+        elif job.stage == "ws1":
+            dest, expected = _local_state(spec, load_mesh, 0, rank, ws, fill=False, device=job.load_device)
+            layout = "Shard(0)@2->whole@1"
         else:
-            dest, expected = _local_state(spec, mesh, 0, rank, ws, fill=False)
+            dest, expected = _local_state(spec, load_mesh, 0, rank, ws, fill=False, device=job.load_device)
             layout = "Shard(0)@2->Shard(0)@4"
         primers: dict[str, Any] = {}
         for rep in range(job.repeats):
@@ -189,8 +203,12 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
                             primers[s.name] = {name: torch.empty_like(expected[name])}
                         primer_planner = s.make_load_planner() if s.make_load_planner else None
                         dcp.load(primers[s.name], storage_reader=s.make_reader(path), planner=primer_planner)
-                    dt, nread = timed(lambda: dcp.load(dest, storage_reader=s.make_reader(path),
-                                                       planner=planner(s, "load")))
+                    def load() -> None:
+                        dcp.load(dest, storage_reader=s.make_reader(path), planner=planner(s, "load"))
+                        if job.load_device == "cuda":
+                            torch.cuda.synchronize()  # the data is in place, not only queued
+
+                    dt, nread = timed(load)
                     err = _verify(job, s.name, spec, expected, dest,
                                   f"reshard/{job.where}/{layout}/{cache} rank {rank}")
                     flag = torch.tensor([0 if err is None else 1])
@@ -266,12 +284,16 @@ def run_stage(job: ReshardJob, ws: int) -> list[dict[str, Any]]:
 
 def make_job(stage: str, root: str, where: str, systems: list[str], standin: bool, spec: StateSpec,
              repeats: int, caches: list[str], cold_method: str | None, corrupt: str | None,
-             fresh_planners: bool = False) -> ReshardJob:
+             fresh_planners: bool = False, load_device: str = "cpu") -> ReshardJob:
     fd, out = tempfile.mkstemp(prefix=f"reshard_{stage}_", suffix=".json")
     os.close(fd)
     return ReshardJob(stage=stage, root=root, where=where, systems=systems, standin=standin, spec=spec,
                       repeats=repeats, caches=caches, cold_method=cold_method,
-                      corrupt_after_load=corrupt, out_path=out, fresh_planners=fresh_planners)
+                      corrupt_after_load=corrupt, out_path=out, fresh_planners=fresh_planners,
+                      load_device=load_device)
+
+
+STAGE_WORLD_SIZES = {"ws2": 2, "ws1": 1, "ws4": 4}
 
 
 def run_reshard(ctx, wheres: list[str]) -> None:
@@ -287,11 +309,17 @@ def run_reshard(ctx, wheres: list[str]) -> None:
         tmpfs = ctx.tmpfs(where)
         caches = ctx.caches(where)
         root = os.path.join(ctx.targets[where], "reshard")
-        for stage, ws in (("ws2", 2), ("ws4", 4)):
-            ctx.progress(f"reshard  {where:<4} stage {stage}: spawning {ws} ranks ({spec.summary()})")
+        device = ctx.cfg.reshard_device
+        if device == "cuda" and not torch.cuda.is_available():
+            ctx.note("reshard: --reshard-device cuda but CUDA is not available: the ranks load into CPU tensors")
+            device = "cpu"
+        for stage in ctx.cfg.reshard_stages:
+            ws = STAGE_WORLD_SIZES[stage]
+            ctx.progress(f"reshard  {where:<4} stage {stage}: spawning {ws} ranks ({spec.summary()}), "
+                         f"loading into {device} tensors")
             job = make_job(stage, root, where, names, ctx.cfg.standin or any(s.standin for s in ctx.systems),
                            spec, ctx.cfg.repeats, caches, ctx.cold_method, ctx.cfg.corrupt_after_load,
-                           ctx.cfg.fresh_planners)
+                           ctx.cfg.fresh_planners, device)
             for r in run_stage(job, ws):
                 if r["op"] == "timing":
                     ctx.progress(f"reshard  {where:<4} stage {stage}: rank 0 started after {r['start_s']:.1f} s "
@@ -303,6 +331,9 @@ def run_reshard(ctx, wheres: list[str]) -> None:
                 else:
                     cfg = {"op": "load", "layout": r["layout"], "cache": r["cache"]}
                     limit = load_limit(where, tmpfs, r["cache"])
+                    if device == "cuda":
+                        cfg["device"] = "cuda"
+                        limit = f"min(h2d,{limit})"
                 extra = {} if r["bytes_read"] is None else {"bytes_read": r["bytes_read"]}
                 ctx.recorder.add("reshard", where, r["system"], cfg, nbytes, r["seconds"], limit,
                                  descr[r["system"]], **extra)

@@ -29,6 +29,7 @@ from .plan_scale import run_plan_scale
 from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
 from .training_loop import run_train_loop
+from .box_copy import run_box_copy
 from .state import EXIT_VERIFY, VerificationError
 from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
 
@@ -37,7 +38,7 @@ SHM = "/dev/shm"
 
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.
 SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
-                    "convert": run_convert, "plan_scale": run_plan_scale}
+                    "convert": run_convert, "plan_scale": run_plan_scale, "box_copy": run_box_copy}
 
 
 def _banner(lines: list[str]) -> None:

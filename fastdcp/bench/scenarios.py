@@ -37,7 +37,7 @@ from .results import GIB, Recorder
 from .state import (EXIT_VERIFY, SCRIBBLE_BYTE, StateSpec, VerificationError, build_destination, build_state,
                     clone_state, corrupt_one_byte, destination_from_metadata, llm_like_spec, scribble,
                     small_tensor_spec, state_nbytes, verify_state)
-from .systems import System
+from .systems import System, resolve_async_variants
 
 _FIRST_SAVE_TIMEOUT_S = 600.0  # one child: imports, a state built, (process) the daemon, save, two loads
 
@@ -625,6 +625,8 @@ def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str,
     bare_descr = {"what": "copy_ of every tensor into preallocated " + ("pinned " if pin else "")
                           + "host tensors" + (" (non_blocking D2H + synchronize)" if cuda else "")}
     blocked_limit = "d2h" if cuda else "memcpy"
+    standin = ctx.cfg.standin or any(s.standin for s in ctx.systems)
+    systems = list(ctx.systems) + resolve_async_variants(ctx.cfg.async_variants, standin, ctx.notes)
     try:
         for mode in ctx.cfg.async_modes:
             proc = None
@@ -637,8 +639,8 @@ def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str,
                     continue
             try:
                 for where in wheres:
-                    _async_where(ctx, scenario, where, mode, src, src_cpu, dest, canary_name, canary_orig,
-                                 step_orig, pairs, saves, cuda, nbytes, bare_descr, blocked_limit,
+                    _async_where(ctx, scenario, where, mode, systems, src, src_cpu, dest, canary_name,
+                                 canary_orig, step_orig, pairs, saves, cuda, nbytes, bare_descr, blocked_limit,
                                  proc.settle if proc is not None else (lambda: None), new_writer)
             finally:
                 if proc is not None:
@@ -652,7 +654,7 @@ def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str,
             torch.cuda.empty_cache()
 
 
-def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[str, Any],
+def _async_where(ctx: Context, scenario: str, where: str, mode: str, systems: list[System], src: dict[str, Any],
                  src_cpu: dict[str, Any], dest: dict[str, Any], canary_name: str,
                  canary_orig: torch.Tensor, step_orig: Any, pairs: list, saves: int, cuda: bool,
                  nbytes: int, bare_descr: dict[str, Any], blocked_limit: str,
@@ -662,8 +664,27 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[s
     root = os.path.join(ctx.targets[where], "async", scenario, mode)
     canary = src[canary_name]
     writers: dict[str, Any] = {}
+    stagers: dict[str, Any] = {}
     failed: set[str] = set()
     kwargs = _async_kwargs(mode)
+    try:
+        _async_saves(ctx, scenario, where, mode, systems, src, src_cpu, dest, canary_name, canary_orig,
+                     step_orig, pairs, saves, cuda, nbytes, bare_descr, blocked_limit, settle, new_writer,
+                     durable_limit, root, canary, writers, stagers, failed, kwargs)
+    finally:
+        for stager in stagers.values():
+            try:
+                stager.close()
+            except Exception as exc:  # a stager that failed to start has nothing to close
+                ctx.note(f"{scenario}: closing a stager failed ({type(exc).__name__}: {exc})")
+
+
+def _async_saves(ctx: Context, scenario: str, where: str, mode: str, systems: list[System],
+                 src: dict[str, Any], src_cpu: dict[str, Any], dest: dict[str, Any], canary_name: str,
+                 canary_orig: torch.Tensor, step_orig: Any, pairs: list, saves: int, cuda: bool, nbytes: int,
+                 bare_descr: dict[str, Any], blocked_limit: str, settle: Callable[[], None], new_writer: bool,
+                 durable_limit: str, root: str, canary: torch.Tensor, writers: dict[str, Any],
+                 stagers: dict[str, Any], failed: set[str], kwargs: dict[str, Any]) -> None:
     for i in range(saves):
         run = run_label(i)
         settle()
@@ -671,7 +692,7 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[s
         ctx.recorder.add(scenario, where, "bare_copy", {"mode": mode, "run": run, "phase": "blocked"}, nbytes,
                          dt, blocked_limit, bare_descr)
         _log(ctx, scenario, where, "bare_copy", f"{mode} {run}", i, dt, nbytes, saves)
-        for si, system in enumerate(ctx.systems):
+        for si, system in enumerate(systems):
             if system.name in failed:
                 continue
             path = os.path.join(root, system.name, f"save{i}")
@@ -694,34 +715,45 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, src: dict[s
                 torch.cuda.synchronize()
             try:
                 planner = ctx.planner(system, "save", f"{scenario}/{where}/{mode}")
+                call_kwargs = dict(kwargs)
+                if system.make_stager is not None:
+                    if system.name not in stagers:
+                        stagers[system.name] = system.make_stager()
+                    call_kwargs["async_stager"] = stagers[system.name]
                 t0 = time.perf_counter()
                 writer = system.async_writer(path) if new_writer else writers[system.name]
                 resp = dcp.async_save(src, checkpoint_id=path, storage_writer=writer, planner=planner,
-                                      **kwargs)
+                                      **call_kwargs)
+                t_call = time.perf_counter() - t0
                 staging = getattr(resp, "staging_completion", None)  # AsyncSaveResponse (newer torch)
                 if staging is not None:
                     staging.result()
-                t_blocked = time.perf_counter() - t0
-                # the caller is free: it modifies the state at once (the checkpoint must not see it)
+                t_staged = time.perf_counter() - t0
+                # an overlapped system's caller is free once the call returns; here it waits for
+                # staging first (what the guard or stock's protocol does in a loop)
+                t_blocked = t_call if system.overlapped else t_staged
+                # the caller modifies the state at once (the checkpoint must not see it)
                 canary.view(torch.uint8).fill_(SCRIBBLE_BYTE)
                 if step_orig is not None:
                     src["step"] = -1
                 getattr(resp, "upload_completion", resp).result()
                 t_durable = time.perf_counter() - t0
             except Exception as exc:
-                if mode != "process":
+                if mode != "process" and not system.overlapped:
                     raise
                 failed.add(system.name)
-                ctx.note(f"{scenario} process mode: {system.name} failed ({type(exc).__name__}: {exc}); "
+                ctx.note(f"{scenario} {mode} mode: {system.name} failed ({type(exc).__name__}: {exc}); "
                          f"left out of that mode")
                 continue
             base = {"mode": mode, "run": run}
-            ctx.recorder.add(scenario, where, system.name, {**base, "phase": "blocked"}, nbytes, t_blocked,
-                             blocked_limit, system.description)
-            ctx.recorder.add(scenario, where, system.name, {**base, "phase": "durable"}, nbytes, t_durable,
-                             durable_limit, system.description)
-            _log(ctx, scenario, where, system.name, f"{mode} {run} blocked", i, t_blocked, nbytes, saves)
-            _log(ctx, scenario, where, system.name, f"{mode} {run} durable", i, t_durable, nbytes, saves)
+            phases = [("blocked", t_blocked, blocked_limit)]
+            if system.overlapped:
+                phases.append(("staged", t_staged, blocked_limit))
+            phases.append(("durable", t_durable, durable_limit))
+            for phase, seconds, limit in phases:
+                ctx.recorder.add(scenario, where, system.name, {**base, "phase": phase}, nbytes, seconds, limit,
+                                 system.description)
+                _log(ctx, scenario, where, system.name, f"{mode} {run} {phase}", i, seconds, nbytes, saves)
             scribble(dest)
             dcp.load(dest, storage_reader=system.make_reader(path), no_dist=True)
             check(ctx, system, expected, dest, f"{scenario}/{where}/{mode}/save{i}")
@@ -788,6 +820,13 @@ def run_gpu_async(ctx: Context, wheres: list[str]) -> None:
     _run_async(ctx, wheres, "gpu_async", "cuda")
 
 
+def run_gpu_async_new_writer(ctx: Context, wheres: list[str]) -> None:
+    if not torch.cuda.is_available():
+        ctx.note("gpu_async_new_writer skipped: CUDA is not available")
+        return
+    _run_async(ctx, wheres, "gpu_async_new_writer", "cuda", new_writer=True)
+
+
 def run_gpu_save(ctx: Context, wheres: list[str]) -> None:
     if not torch.cuda.is_available():
         ctx.note("gpu_save skipped: CUDA is not available")
@@ -823,17 +862,22 @@ def run_gpu_load(ctx: Context, wheres: list[str]) -> None:
     for where in wheres:
         for system in ctx.systems:
             _ensure_checkpoint(ctx, system, src, ctx.ckpt_dir(where, "ckpt", system.name))
+        tmpfs = ctx.tmpfs(where)
         for rep in range(ctx.cfg.repeats):
-            for system in ctx.systems:
-                path = ctx.ckpt_dir(where, "ckpt", system.name)
-                scribble(dest)
-                warm_files(path)
-                dt = timed_load(system, dest, path, sync_cuda=True,
-                                planner=ctx.planner(system, "load", f"gpu_load/{where}"))
-                check(ctx, system, src, dest, f"gpu_load/{where}")
-                ctx.recorder.add("gpu_load", where, system.name, {"device": "cuda", "cache": "warm"}, nbytes,
-                                 dt, "min(h2d,memcpy)", system.description)
-                _log(ctx, "gpu_load", where, system.name, "cuda warm", rep, dt, nbytes)
+            for cache in ctx.caches(where):
+                for system in ctx.systems:
+                    path = ctx.ckpt_dir(where, "ckpt", system.name)
+                    scribble(dest)
+                    if cache == "cold":
+                        make_cold(ctx.cold_method, path)
+                    else:
+                        warm_files(path)
+                    dt = timed_load(system, dest, path, sync_cuda=True,
+                                    planner=ctx.planner(system, "load", f"gpu_load/{where}"))
+                    check(ctx, system, src, dest, f"gpu_load/{where}/{cache}")
+                    ctx.recorder.add("gpu_load", where, system.name, {"device": "cuda", "cache": cache}, nbytes,
+                                     dt, f"min(h2d,{load_limit(where, tmpfs, cache)})", system.description)
+                    _log(ctx, "gpu_load", where, system.name, f"cuda {cache}", rep, dt, nbytes)
     del dest
     torch.cuda.empty_cache()
 
@@ -880,4 +924,5 @@ SINGLE_PROCESS = {
     "gpu_save": run_gpu_save,
     "gpu_load": run_gpu_load,
     "gpu_async": run_gpu_async,
+    "gpu_async_new_writer": run_gpu_async_new_writer,
 }  # runner.py adds training_loop.py's and concurrency.py's, which build on this module

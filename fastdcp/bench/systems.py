@@ -26,6 +26,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 STANDIN_ENV = "FASTDCP_BENCH_STANDIN"
 SYSTEM_NAMES = ("stock", "stock_best", "fastdcp", "fastdcp_planners")
 PLANNER_SYSTEMS = ("fastdcp_planners",)
+# Extra systems of the async scenarios (--async-variants): stock's "zero-overhead" staging and
+# fastdcp's overlapped staging, both returning from async_save before the copies are done.
+ASYNC_VARIANT_NAMES = ("stock_zoc", "fastdcp_overlap")
 
 
 class FastDCPUnavailable(RuntimeError):
@@ -52,6 +55,12 @@ class System:
     # process, keyed by state structure, shared by every planner object); called before a
     # system's first (`run=1st`) save so that it starts cold whatever ran before it.
     clear_caches: Callable[[], None] | None = None
+    # async_save variants (ASYNC_VARIANT_NAMES, async scenarios only): a stager for
+    # ``async_stager=`` (one per target and mode, closed after it), and whether ``async_save``
+    # returns before staging completes (then ``blocked`` is the time in the call and ``staged``
+    # the time until ``staging_completion`` resolved)
+    make_stager: Callable[[], Any] | None = None
+    overlapped: bool = False
 
     def start_cold(self) -> None:
         if self.clear_caches is not None:
@@ -185,4 +194,48 @@ def resolve_systems(names: list[str] | tuple[str, ...], standin: bool | None = N
                 notes.append(str(exc))
         else:
             raise ValueError(f"unknown system {n!r}; choose from {', '.join(SYSTEM_NAMES)}")
+    return out
+
+
+def resolve_async_variants(names: list[str] | tuple[str, ...], standin: bool,
+                           notes: list[str]) -> list[System]:
+    """System objects for the async variants in `names` (ASYNC_VARIANT_NAMES); one that cannot
+    run here is left out with a note. Raises ValueError for an unknown name.
+
+    * ``stock_zoc``: ``FileSystemWriter(path)`` + ``async_stager=DefaultStager(StagingOptions(True,
+      True, True, True))`` (pinned, shared-memory-free, non-blocking copies on a side stream);
+    * ``fastdcp_overlap``: ``FastFileSystemWriter(path, async_staging=True)``.
+    The scenario waits on ``staging_completion`` before it changes the state (what the guard or
+    stock's protocol does in a training loop)."""
+    out: list[System] = []
+    for n in names:
+        if n == "stock_zoc":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            out.append(System("stock_zoc", lambda p: FileSystemWriter(p), lambda p: FileSystemReader(p),
+                              {"writer": "FileSystemWriter(path)",
+                               "stager": "DefaultStager(StagingOptions(True, True, True, True)), one per target and mode",
+                               "blocked": "time in async_save; staged: until staging_completion"},
+                              make_stager=lambda: DefaultStager(StagingOptions(True, True, True, True)),
+                              overlapped=True))
+        elif n == "fastdcp_overlap":
+            if standin:
+                notes.append("fastdcp_overlap not run: fastdcp is a stand-in")
+                continue
+            import inspect
+
+            import fastdcp
+
+            if "async_staging" not in inspect.signature(fastdcp.FastFileSystemWriter).parameters:
+                notes.append("fastdcp_overlap not run: this fastdcp has no FastFileSystemWriter(async_staging=)")
+                continue
+            release = getattr(fastdcp, "release_staging", None)
+            out.append(System("fastdcp_overlap", lambda p: fastdcp.FastFileSystemWriter(p, async_staging=True),
+                              lambda p: fastdcp.FastFileSystemReader(p),
+                              {"writer": "FastFileSystemWriter(path, async_staging=True)",
+                               "blocked": "time in async_save; staged: until staging_completion",
+                               "build_info": fastdcp_build_info()},
+                              clear_caches=(lambda: release()) if release else None, overlapped=True))
+        else:
+            raise ValueError(f"unknown async variant {n!r}; choose from {', '.join(ASYNC_VARIANT_NAMES)}")
     return out

@@ -807,6 +807,9 @@ def run_train_loop(ctx: Context, wheres: list[str]) -> None:
         ctx.note(f"{SCENARIO}: no system to measure (it runs stock_* with --systems stock and "
                  f"fastdcp_* with fastdcp)")
         return
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = ctx.cfg.train_devices or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+    if "cuda" in devices and not torch.cuda.is_available():
+        ctx.note(f"{SCENARIO}: cuda left out: CUDA is not available")
+        devices = [d for d in devices if d != "cuda"]
     for device in devices:
         _run_device(ctx, wheres, device, systems)

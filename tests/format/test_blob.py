@@ -192,6 +192,7 @@ def test_data_pkl_keeps_torch_strides_of_contiguous_tensors():
         assert _same_bits(_load(blob), t)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_data_pkl_of_cuda_tensor_says_cpu():
     t = torch.randn(4, 5, device="cuda").to(torch.bfloat16)

@@ -30,10 +30,15 @@ from fastdcp import FastFileSystemReader, _C
 
 MAX_DIMS = 8
 
-needs_cuda = pytest.mark.skipif(
+_skip_without_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and fastdcp.build_info().get("cuda")),
     reason="needs a CUDA device and an extension built with CUDA",
 )
+
+
+def needs_cuda(test):
+    """A GPU test: marked `cuda` (the acceptance command's `pytest -m cuda`), skipped without one."""
+    return pytest.mark.cuda(_skip_without_cuda(test))
 
 
 class BoxCopyC(ctypes.Structure):

@@ -289,6 +289,7 @@ def test_stored_run_is_the_tensor_bytes_where_one_exists(saved, kind):
             assert transposed and all(ckpt.stored_run(k) is None for k in transposed), transposed
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU placement path)")
 def test_cuda_device_reads_through_the_gpu_placement_path(saved, kind):
     state, paths = saved

@@ -173,6 +173,7 @@ def test_memory_budget_is_validated(tmp_path):
         FastFileSystemWriter(tmp_path, memory_budget_bytes=100)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("budget", [4 * DIRECT_ALIGN, 256 << 20])
 def test_cuda_tensors_saved_through_the_ring(tmp_path, budget):
@@ -184,6 +185,7 @@ def test_cuda_tensors_saved_through_the_ring(tmp_path, budget):
     C.load_in_place_and_check(C.make_reader("stock", tmp_path), expected, C.destination_for(expected))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_async_save_stages_into_pinned_slab(tmp_path):
     sd = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda").bfloat16()}

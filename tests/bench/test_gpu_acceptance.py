@@ -1,0 +1,155 @@
+"""The GPU acceptance command (fastdcp/bench/acceptance.py) on a machine without a GPU: its dry run
+goes through every step with the CPU stand-ins and writes results.jsonl and summary.md; a failing
+step is recorded and the others still run; a child past its time limit is killed with its output
+kept; the command starts on a tree whose extension is not built yet (it builds it on a GPU
+machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdcp.bench import acceptance as A
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.fastdcp_timeout(400)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU stand-in; a GPU machine runs the real one")
+def test_dry_run_goes_through_every_step(tmp_path):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "fastdcp.bench", "gpu-acceptance", "--dry-run", "--out", str(out),
+                           "--dir", str(tmp_path / "targets")], cwd=REPO, capture_output=True, text=True, timeout=380)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert elapsed < 180, f"the dry run took {elapsed:.0f} s (the issue allows 3 minutes)"
+    records = _records(out)
+    assert {r["step"] for r in records} == set(A.STEPS)
+    assert all(r["status"] in ("ok", "skipped") for r in records), [r for r in records if r["status"] == "failed"]
+    by_step = {s: [r for r in records if r["step"] == s] for s in A.STEPS}
+    # the GPU tests were selected by the marker (and skip here); the whole suite is left out of a dry run
+    cuda_tests = next(r for r in by_step["tests"] if r.get("suite") == "cuda")
+    assert cuda_tests["counts"].get("skipped", 0) >= 10 and not cuda_tests["counts"].get("failed")
+    assert next(r for r in by_step["tests"] if r.get("suite") == "all")["status"] == "skipped"
+    # every scenario step measured fastdcp and stock in the same run, with a limit from that run
+    for step in ("save", "async", "load", "reshard", "kernel"):
+        rows = [r for r in by_step[step] if "gibps" in r]
+        systems = {r["system"] for r in rows}
+        assert {"fastdcp", "stock"} <= systems, (step, systems)
+        assert all(r["gibps"] > 0 for r in rows)
+        assert any(r["fraction_of_limit"] for r in rows if r["system"] == "fastdcp"), step
+    assert {r["system"] for r in by_step["async"] if "gibps" in r} >= {"fastdcp_overlap", "bare_copy"}
+    assert {r["train"]["system"] for r in by_step["train_loop"] if "train" in r} >= {
+        "no_ckpt", "stock_default", "fastdcp_blocking", "fastdcp_overlap"}
+    layouts = {r["config"].get("layout") for r in by_step["reshard"] if "gibps" in r}
+    assert {"Shard(0)@2->Shard(1)@2", "Shard(0)@2->whole@1"} <= layouts
+    assert {r["config"]["layout"] for r in by_step["kernel"] if "gibps" in r} == {"same", "column"}
+    assert any("target" in r for r in records)
+    summary = (out / "summary.md").read_text()
+    assert "DRY RUN" in summary
+    for step in A.STEPS:
+        assert f"| {step} |" in summary, step
+    for step in A.SCENARIO_STEPS:
+        assert (out / f"{step}.log").stat().st_size > 0
+
+
+def test_a_failing_step_is_recorded_and_the_later_steps_still_run(tmp_path, monkeypatch):
+    real_args = A.Acceptance._bench_args
+
+    def corrupting(self, step):  # the benchmark's own test hook: fastdcp's loads come back corrupted
+        return real_args(self, step) + (["--corrupt-after-load", "fastdcp"] if step == "load" else [])
+
+    monkeypatch.setattr(A.Acceptance, "_bench_args", corrupting)
+    cfg = A.AcceptanceConfig(out=str(tmp_path / "out"), dry_run=True, dir=str(tmp_path / "targets"),
+                             steps=["machine", "load", "kernel"])
+    assert A.Acceptance(cfg).run() == A.EXIT_FAILED
+    records = _records(tmp_path / "out")
+    load = [r for r in records if r["step"] == "load"]
+    assert len(load) == 1 and load[0]["status"] == "failed" and "NOT bit-exact" in load[0]["what"]
+    assert "differs" in load[0]["tail"] or "NOT bit-exact" in load[0]["tail"]
+    assert any(r["step"] == "kernel" and r["status"] == "ok" and "gibps" in r for r in records)
+    assert "| load | failed |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_a_child_past_its_limit_is_killed_and_its_output_kept(tmp_path):
+    log = tmp_path / "child.log"
+    t0 = time.monotonic()
+    rc, seconds, tail = A.run_child([sys.executable, "-c", "import time; print('measured so far'); time.sleep(60)"],
+                                    str(log), timeout_s=2)
+    assert rc is None and seconds < 30 and time.monotonic() - t0 < 30
+    assert "measured so far" in tail and "measured so far" in log.read_text()
+
+
+def test_records_reach_the_file_one_by_one(tmp_path):
+    log = A.ResultLog(str(tmp_path), A.Budget(10), dry_run=True)
+    log.add("machine", "ok", what="first")
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 1
+    assert "| machine | ok | first |" in (tmp_path / "summary.md").read_text()
+    log.add("save", "failed", what="second", tail="boom\nlast line of the log")
+    assert [json.loads(x)["status"] for x in (tmp_path / "results.jsonl").read_text().splitlines()] == ["ok", "failed"]
+    assert "last line of the log" in (tmp_path / "summary.md").read_text()
+    with pytest.raises(AssertionError):
+        log.add("not-a-step", "ok")
+
+
+def test_targets_are_judged_from_the_results():
+    doc = {"results": [
+        {"scenario": "gpu_save", "system": "fastdcp", "where": "dir", "config": {"device": "cuda"}, "gibps": 9.0,
+         "limit": "min(d2h,write:dir)", "fraction_of_limit": 0.95},
+        {"scenario": "gpu_save", "system": "fastdcp", "where": "shm", "config": {"device": "cuda"}, "gibps": 5.0,
+         "limit": "d2h", "fraction_of_limit": 0.5},
+        {"scenario": "gpu_save", "system": "stock", "where": "dir", "config": {}, "gibps": 1.0, "fraction_of_limit": 0.1},
+    ]}
+    got = {t["target"]: t["met"] for t in A.evaluate_targets("save", doc)}
+    assert got == {"sync save dir >= 90% of min(d2h,write:dir)": True, "sync save shm >= 90% of d2h": False}
+    doc = {"results": [
+        {"system": "fastdcp", "config": {"mode": "thread", "run": "2nd+", "phase": "blocked"}, "ratio_to_baseline": 1.05},
+        {"system": "fastdcp", "config": {"mode": "thread", "run": "1st", "phase": "blocked"}, "ratio_to_baseline": 3.0},
+        {"system": "fastdcp_overlap", "config": {"mode": "thread", "run": "2nd+", "phase": "blocked"},
+         "seconds_median": 0.02},
+    ]}
+    got = [(t["target"], t["met"]) for t in A.evaluate_targets("async", doc)]
+    assert got == [("blocking async_save (thread, 2nd+) <= 1.1x the bare pinned D2H copy", True),
+                   ("overlapped staging (thread, 2nd+): <= 10 ms in the call", False)]
+    doc = {"train_loop": [{"device": "cuda", "system": "stock_zoc", "slowdown_pct": 4.0},
+                          {"device": "cuda", "system": "fastdcp_overlap", "slowdown_pct": 3.0}]}
+    assert [t["met"] for t in A.evaluate_targets("train_loop", doc)] == [True]
+
+
+def test_pytest_summary_counts():
+    tail = "....\n=== 2 failed, 310 passed, 4 skipped, 1724 deselected in 61.2s ===\n"
+    assert A._pytest_counts(tail) == {"failed": 2, "passed": 310, "skipped": 4, "deselected": 1724}
+    assert A._pytest_counts("22 skipped, 1724 deselected in 7.01s") == {"skipped": 22, "deselected": 1724}
+
+
+def test_starts_on_a_tree_whose_extension_is_not_built(tmp_path):
+    """On a fresh GPU machine fastdcp._C does not exist until the build step; the command must
+    start, record where it runs and say what is missing, not die importing the package."""
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO / "fastdcp", tree / "fastdcp", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run([sys.executable, "-m", "fastdcp.bench", "gpu-acceptance", "--dry-run", "--out", str(out),
+                           "--steps", "build", "--dir", str(tmp_path / "targets")], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == A.EXIT_FAILED, proc.stdout + proc.stderr
+    records = _records(out)
+    assert [(r["step"], r["status"]) for r in records] == [("machine", "ok"), ("build", "failed")]
+    assert "cannot be imported" in records[1]["build_info"]["error"]
+    # outside this one command, a missing extension is an ImportError that says how to build it
+    proc = subprocess.run([sys.executable, "-c", "import fastdcp"], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "pip install --no-build-isolation -e ." in proc.stderr
