@@ -139,7 +139,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 #ifdef FASTDCP_WITH_CUDA
   m.def(
     "launch_box_copy",
-    [](uint64_t d_boxes, uint64_t d_prefix, int64_t num_boxes, int64_t total_elems, uint64_t stream) {
+    [](uint64_t d_boxes, uint64_t d_prefix, int64_t num_boxes, int64_t total_elems, uint64_t stream,
+       bool any_conversion) {
       if (num_boxes < 0 || total_elems < 0) { throw py::value_error("negative box or element count"); }
       if (num_boxes > 0 && (d_boxes == 0 || d_prefix == 0)) { throw py::value_error("null device box table or prefix"); }
       cudaError_t status = cudaSuccess;
@@ -148,7 +149,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         status = fastdcp::launch_box_copy(reinterpret_cast<const fastdcp::BoxCopy*>(address(d_boxes)),
                                           reinterpret_cast<const int64_t*>(address(d_prefix)),
                                           static_cast<size_t>(num_boxes), total_elems,
-                                          reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)));
+                                          reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)),
+                                          any_conversion);
       }
       if (status != cudaSuccess) {
         throw std::runtime_error(std::string("fastdcp box copy kernel launch failed: ") +
@@ -156,10 +158,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
       }
     },
     py::arg("d_boxes_address"), py::arg("d_prefix_address"), py::arg("num_boxes"), py::arg("total_elems"),
-    py::arg("stream_address"),
+    py::arg("stream_address"), py::arg("any_conversion") = true,
     "Enqueue one kernel copying num_boxes prepared BoxCopy descriptors (device memory, see "
-    "prepare_boxes) on the given cudaStream_t (torch.cuda.Stream.cuda_stream). Does not synchronise; "
-    "raises RuntimeError naming the CUDA error if the launch fails.");
+    "prepare_boxes) on the given cudaStream_t (torch.cuda.Stream.cuda_stream). any_conversion=False "
+    "(no box changes dtype) runs the byte-copy-only kernel; a converting box is then not copied. "
+    "Does not synchronise; raises RuntimeError naming the CUDA error if the launch fails.");
 #endif
   m.def("on_memory_filesystem", &fastdcp::on_memory_filesystem, py::arg("path"),
         "True when path is on tmpfs/ramfs (O_DIRECT pointless there).");

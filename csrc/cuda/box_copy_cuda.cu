@@ -145,8 +145,10 @@ FASTDCP_HD void convert_elements_to(int32_t to, const char* src, int64_t src_str
 }
 
 /// Converts `n` elements of one row; `from`/`to` are ScalarKind values (block-uniform switch).
-/// Kept out of line so that its register needs do not weigh on the byte-copy paths.
-__host__ __device__ __noinline__ void convert_row(int32_t from, int32_t to, const char* src,
+/// Inlined, not out of line: built out of line (`__noinline__`) by nvcc 13.0 for sm_90, this
+/// function wrote wrong low bytes on an H100 (float32 -> bfloat16 0x3dcd came out 0x3d01) while
+/// the same code inlined was exact; the GPU tests of dtype-converting loads caught it.
+FASTDCP_HD void convert_row(int32_t from, int32_t to, const char* src,
                                                   int64_t src_stride, bool src_aligned, char* dst,
                                                   int64_t dst_stride, bool dst_aligned, int64_t n,
                                                   int rank, int group)
@@ -306,6 +308,10 @@ FASTDCP_HD int threads_per_row(int64_t units)
 /// The part of copying elements [lo, hi) of `box` (row-major over its dims) that thread `thread`
 /// of a block does. Rows (the innermost dimension) are shared among groups of threads sized to the
 /// row, so short rows still keep the block busy and long rows use every thread.
+/// `kConvert`: whether the dtype conversions are compiled in. Without them the byte-copy paths
+/// keep their registers (the conversion switch, inlined, costs occupancy). Precondition for
+/// `kConvert == false`: every box has src_kind == dst_kind (a converting box is left untouched).
+template <bool kConvert>
 FASTDCP_HD void copy_box_range(const BoxCopy& box, int64_t lo, int64_t hi, int thread)
 {
   const int last = box.ndim - 1;
@@ -348,7 +354,7 @@ FASTDCP_HD void copy_box_range(const BoxCopy& box, int64_t lo, int64_t hi, int t
       copy_contiguous(src, dst, n * box.src_elem_size, rank, group);
     } else if (byte_copy) {
       copy_strided(src, src_inner, dst, dst_inner, n, box.src_elem_size, rank, group);
-    } else {
+    } else if constexpr (kConvert) {
       convert_row(box.src_kind, box.dst_kind, src, src_inner, src_aligned, dst, dst_inner,
                   dst_aligned, n, rank, group);
     }
@@ -357,6 +363,7 @@ FASTDCP_HD void copy_box_range(const BoxCopy& box, int64_t lo, int64_t hi, int t
 
 /// Each block walks chunks of `chunk_elements` global elements (grid-stride); for every box
 /// overlapping its chunk it stages the descriptor in shared memory and copies the overlap.
+template <bool kConvert>
 __global__ void __launch_bounds__(kThreads)
   box_copy_kernel(const BoxCopy* __restrict__ boxes, const int64_t* __restrict__ prefix,
                   int64_t num_boxes, int64_t total_elements, int64_t chunk_elements)
@@ -383,7 +390,7 @@ __global__ void __launch_bounds__(kThreads)
           reinterpret_cast<const uint64_t*>(boxes + b)[threadIdx.x];
       }
       __syncthreads();
-      copy_box_range(box, max64(chunk_begin, box_begin) - box_begin,
+      copy_box_range<kConvert>(box, max64(chunk_begin, box_begin) - box_begin,
                      min64(chunk_end, box_end) - box_begin, static_cast<int>(threadIdx.x));
       __syncthreads();  // everyone is done with `box` before the next descriptor overwrites it
     }
@@ -407,7 +414,8 @@ int64_t chunk_elements_for(int64_t total_elements, int64_t resident_blocks)
 }  // namespace
 
 cudaError_t launch_box_copy(const BoxCopy* d_boxes, const int64_t* d_box_elem_prefix,
-                            size_t num_boxes, int64_t total_elems, cudaStream_t stream)
+                            size_t num_boxes, int64_t total_elems, cudaStream_t stream,
+                            bool any_conversion)
 {
   if (num_boxes == 0 || total_elems <= 0) { return cudaSuccess; }
   int device = 0;
@@ -427,8 +435,13 @@ cudaError_t launch_box_copy(const BoxCopy* d_boxes, const int64_t* d_box_elem_pr
   const int64_t num_chunks = (total_elems + chunk - 1) / chunk;
   // Beyond a few waves, more blocks only add scheduling; the grid-stride loop covers the rest.
   const auto grid = static_cast<unsigned int>(min64(num_chunks, resident_blocks * 4));
-  box_copy_kernel<<<grid, kThreads, 0, stream>>>(d_boxes, d_box_elem_prefix,
-                                                 static_cast<int64_t>(num_boxes), total_elems, chunk);
+  if (any_conversion) {
+    box_copy_kernel<true><<<grid, kThreads, 0, stream>>>(
+      d_boxes, d_box_elem_prefix, static_cast<int64_t>(num_boxes), total_elems, chunk);
+  } else {
+    box_copy_kernel<false><<<grid, kThreads, 0, stream>>>(
+      d_boxes, d_box_elem_prefix, static_cast<int64_t>(num_boxes), total_elems, chunk);
+  }
   return cudaGetLastError();
 }
 

@@ -26,8 +26,12 @@ namespace fastdcp {
 /// Preconditions: every box passed validate_box on the host (simplify_box is optional but makes
 /// the copy faster: contiguous boxes take the 16-byte vector path); destination regions are
 /// pairwise disjoint and do not overlap any source region.
+/// `any_conversion`: whether some box has src_kind != dst_kind. False launches the byte-copy-only
+/// kernel (more resident threads for the common same-dtype load); a converting box passed with
+/// false is not copied, so callers that cannot tell pass true.
 /// Does not synchronise. Returns the launch error (cudaSuccess when there is nothing to copy).
 cudaError_t launch_box_copy(const BoxCopy* d_boxes, const int64_t* d_box_elem_prefix,
-                            size_t num_boxes, int64_t total_elems, cudaStream_t stream);
+                            size_t num_boxes, int64_t total_elems, cudaStream_t stream,
+                            bool any_conversion = true);
 
 }  // namespace fastdcp

@@ -108,8 +108,11 @@ def _kernel_copy(boxes: list[tuple[Any, ...]], device: torch.device) -> Callable
     table = host.to(device)
     stream = torch.cuda.current_stream(device)
 
+    any_conversion = any(b[2] != b[3] for b in boxes)
+
     def run() -> None:
-        _C.launch_box_copy(table.data_ptr(), table.data_ptr() + table_bytes, n, total, stream.cuda_stream)
+        _C.launch_box_copy(table.data_ptr(), table.data_ptr() + table_bytes, n, total, stream.cuda_stream,
+                           any_conversion=any_conversion)
 
     run.keep_alive = (host, table)  # type: ignore[attr-defined]
     return run

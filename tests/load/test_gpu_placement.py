@@ -205,6 +205,7 @@ class _FakeCuda:
         self.pinned: list[torch.Tensor] = []
         self.device: list[torch.Tensor] = []
         self.launches = 0
+        self.conversion_launches = 0
         self.synchronized = 0
         self.waits: list[tuple[str, str]] = []
         fake = self
@@ -237,7 +238,7 @@ class _FakeCuda:
         self.device.append(t)
         return t
 
-    def launch_box_copy(self, d_boxes, d_prefix, num_boxes, total, stream):
+    def launch_box_copy(self, d_boxes, d_prefix, num_boxes, total, stream, any_conversion=True):
         assert stream == 0xC0DE
         dev = self.device[-1]
         lo, hi = dev.data_ptr(), dev.data_ptr() + dev.numel()
@@ -255,6 +256,9 @@ class _FakeCuda:
             count += n
             assert prefix[i + 1] == count
             assert lo <= box[0] < hi, "a kernel source must be in device staging"
+        # the byte-copy-only kernel leaves converting boxes untouched: the flag must say so
+        assert any_conversion == any(box[2] != box[3] for box in tuples), "any_conversion does not match the boxes"
+        self.conversion_launches += bool(any_conversion)
         assert count == total
         self.launches += 1
         self.engine.box_copy(tuples)
@@ -354,6 +358,9 @@ def test_simulated_pipeline_resharded_tiny_budget(tmp_path, fake_cuda, writer_ki
         if layout == "convert":
             assert stats["gpu_fallback_copies"] >= 1  # complex64 -> complex128
     assert all(t.numel() <= budget for t in fake_cuda.pinned)
+    # converting batches launch the converting kernel, the others the byte-copy-only one
+    assert (fake_cuda.conversion_launches > 0) == (layout == "convert")
+    assert fake_cuda.launches > fake_cuda.conversion_launches or layout == "convert"
 
 
 def test_simulated_pipeline_many_batches_reuse_halves(tmp_path, fake_cuda):
@@ -421,7 +428,7 @@ def test_gpu_shard1_reshard_and_dtype_conversion(tmp_path):
         reader = FastFileSystemReader(tmp_path, memory_budget_bytes=64 << 10)
         dcp.load(dest, storage_reader=reader, planner=planner, no_dist=True)
         torch.cuda.synchronize()
-        C.assert_tensor_bitexact(dest["w"].cpu(), saved["w"][:, 512:768].to(dtype), f"w as {dtype}")
+        C.assert_tensor_bitexact(dest["w"].cpu(), saved["w"][:, 512:768].to(dtype).contiguous(), f"w as {dtype}")
         C.assert_tensor_bitexact(dest["h"].cpu(), saved["h"][150:250].float(), "h")
         assert reader.last_stats["gpu_batches"] > 2
 

@@ -72,7 +72,7 @@ def test_blocking_async_save_of_gpu_tensors_of_every_dtype(tmp_path):
         staging.result()
     for v in sd.values():  # the caller is free: the checkpoint must not see this
         if isinstance(v, torch.Tensor) and v.numel():
-            v.view(-1).view(torch.uint8).fill_(0xA5)
+            v.untyped_storage().fill_(0xA5)
     getattr(resp, "upload_completion", resp).result()
     _load_with_stock(tmp_path, expected)
 
