@@ -252,12 +252,10 @@ class Acceptance:
         return os.path.join(self.cfg.out, f"{step}.log")
 
     def _scenario_time(self, step: str) -> float:
-        """This step's time limit: its share of the scenario time (up to twice that when earlier
-        steps left time over), never the minimum the later steps need."""
-        later = [s for s in SCENARIO_STEPS[SCENARIO_STEPS.index(step) + 1:] if s in self.cfg.steps]
-        left = self.budget.left() - MIN_STEP_S * len(later)
-        share = SHARES[step] / sum(SHARES[s] for s in [step, *later])
-        return max(MIN_STEP_S, min(left, 2 * share * max(left, 0.0)))
+        """This step's time limit: twice its share of the time left (a step usually ends well
+        inside it, and what it leaves goes to the later ones), never the minimum the later steps
+        need, never below MIN_STEP_S."""
+        return scenario_time_limit(step, self.budget.left(), self.cfg.steps)
 
     # ----------------------------------------------------------------- machine
     def machine(self) -> None:
@@ -500,6 +498,15 @@ class Acceptance:
         print(f"[gpu-acceptance] wrote {self.log.jsonl} and {self.log.summary} in {self.budget.elapsed():.0f} s",
               flush=True)
         return EXIT_FAILED if self.failed else EXIT_OK
+
+
+def scenario_time_limit(step: str, left_s: float, steps: list[str]) -> float:
+    """Seconds a scenario step may run with `left_s` of the budget left: twice its share of that
+    time among itself and the later scenario steps in `steps`, capped so that each later step keeps
+    MIN_STEP_S, and at least MIN_STEP_S."""
+    later = [s for s in SCENARIO_STEPS[SCENARIO_STEPS.index(step) + 1:] if s in steps]
+    share = SHARES[step] / sum(SHARES[s] for s in [step, *later])
+    return max(MIN_STEP_S, min(left_s - MIN_STEP_S * len(later), 2 * share * left_s))
 
 
 # --------------------------------------------------------------------------- parsing the children

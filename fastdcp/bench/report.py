@@ -19,8 +19,9 @@ LIMIT_POLICY = (
     "writing a new file, i.e. page allocation + copy); cold load -> raw sequential read of that "
     "target; warm load, small load, async 'blocked' and loads from tmpfs (/dev/shm) -> memory "
     "copy (best method); gpu_save and gpu_async "
-    "'durable' -> min(pinned D2H, write); gpu_async 'blocked' -> pinned D2H; gpu_load -> "
-    "min(pinned H2D, memory copy).")
+    "'durable' -> min(pinned D2H, write); gpu_async 'blocked' and 'staged' -> pinned D2H; gpu_load "
+    "and reshard loads into GPU tensors -> min(pinned H2D, the CPU load's limit); box_copy -> "
+    "device-to-device copy (bytes counted once) on the GPU, memory copy on the CPU.")
 UNITS = ("GiB/s = tensor payload bytes / wall time (GiB = 2^30); median [min-max] over repeats. "
          "run=1st: a system's first save/load in that case (first use of its writer/planner "
          "objects), run=2nd+: the later ones.")

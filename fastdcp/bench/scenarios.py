@@ -660,7 +660,7 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, systems: li
                  nbytes: int, bare_descr: dict[str, Any], blocked_limit: str,
                  settle: Callable[[], None], new_writer: bool = False) -> None:
     tmpfs = ctx.tmpfs(where)
-    durable_limit = ("d2h" if tmpfs else f"min(d2h,write:{where})") if cuda else save_limit(where, tmpfs)
+    durable_limit = f"min(d2h,{save_limit(where, tmpfs)})" if cuda else save_limit(where, tmpfs)
     root = os.path.join(ctx.targets[where], "async", scenario, mode)
     canary = src[canary_name]
     writers: dict[str, Any] = {}
@@ -835,8 +835,8 @@ def run_gpu_save(ctx: Context, wheres: list[str]) -> None:
     src_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in src.items()}
     nbytes = spec.tensor_bytes
     for where in wheres:
-        tmpfs = ctx.tmpfs(where)
-        limit = "d2h" if tmpfs else f"min(d2h,write:{where})"
+        # tmpfs too: a new file's pages are allocated and filled (save_limit says why)
+        limit = f"min(d2h,write:{where})"
         for rep in range(ctx.cfg.repeats):
             for system in ctx.systems:
                 path = ctx.ckpt_dir(where, "gpu", system.name)

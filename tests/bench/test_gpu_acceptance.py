@@ -153,3 +153,17 @@ def test_starts_on_a_tree_whose_extension_is_not_built(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import fastdcp"], cwd=tree, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and "pip install --no-build-isolation -e ." in proc.stderr
+
+
+def test_each_step_keeps_time_for_the_later_ones():
+    steps = list(A.STEPS)
+    # a generous budget: twice the step's share of what is left
+    assert A.scenario_time_limit("save", 300.0, steps) == pytest.approx(2 * 0.20 * 300.0)
+    # a tight one: the later steps' minimums come first, never below the minimum itself
+    tight = A.scenario_time_limit("save", 175.0, steps)
+    assert A.MIN_STEP_S <= tight <= 175.0 - 5 * A.MIN_STEP_S
+    assert A.scenario_time_limit("async", 10.0, steps) == A.MIN_STEP_S
+    # the last step may use what is left
+    assert A.scenario_time_limit("kernel", 100.0, steps) == pytest.approx(100.0)
+    # a step rerun alone (--steps) is not held back for steps that will not run
+    assert A.scenario_time_limit("save", 100.0, ["machine", "save"]) == pytest.approx(100.0)
