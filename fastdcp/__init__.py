@@ -45,7 +45,7 @@ try:
 except ImportError as _exc:
     if not _acceptance_bootstrap():
         raise ImportError(
-            f"fastdcp's compiled extension fastdcp._C cannot be imported ({_exc}); build it with "
+            f"fastdcp's compiled extension fastdcp._C is not built or cannot be loaded ({_exc}); build it with "
             f"`pip install --no-build-isolation -e .` (or `python setup.py build_ext --inplace`) "
             f"in the source tree") from _exc
     _C = None  # the acceptance command orchestrates only; its children import the built package
