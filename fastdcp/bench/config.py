@@ -254,23 +254,18 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.small_large_bytes = a.small_large_size
     c.floor = not a.no_floor
     c.fresh_planners = a.fresh_planners
-    if a.async_modes:
-        bad = [m for m in a.async_modes if m not in ASYNC_MODES]
+    # Lists of names given on the command line: (attribute, allowed names), one check.
+    for name, allowed in (("async_modes", ASYNC_MODES), ("async_variants", ASYNC_VARIANT_NAMES),
+                          ("train_devices", ("cpu", "cuda"))):
+        given = getattr(a, name)
+        if not given:
+            continue
+        bad = [v for v in given if v not in allowed]
         if bad:
-            parser.error(f"unknown async mode(s) {bad}; choose from {','.join(ASYNC_MODES)}")
-        c.async_modes = a.async_modes
-    if a.async_variants:
-        bad = [v for v in a.async_variants if v not in ASYNC_VARIANT_NAMES]
-        if bad:
-            parser.error(f"unknown async variant(s) {bad}; choose from {','.join(ASYNC_VARIANT_NAMES)}")
-        c.async_variants = a.async_variants
+            parser.error(f"--{name.replace('_', '-')}: unknown {bad}; choose from {','.join(allowed)}")
+        setattr(c, name, given)
     if a.async_wheres:
         c.async_wheres = a.async_wheres
-    if a.train_devices:
-        bad = [d for d in a.train_devices if d not in ("cpu", "cuda")]
-        if bad:
-            parser.error(f"unknown train device(s) {bad}; choose from cpu,cuda")
-        c.train_devices = a.train_devices
     if a.reshard_device:
         c.reshard_device = a.reshard_device
     if a.reshard_stages:
