@@ -95,6 +95,9 @@ class IoOptions:
     memory_budget_bytes: int
     # Whether io_threads was asked for (constructor or FASTDCP_IO_THREADS), not the default.
     io_threads_chosen: bool = False
+    # Whether direct_io was asked for (constructor or FASTDCP_DIRECT_IO). A writer left at the
+    # default measures the filesystem instead (fastdcp.io.write_mode).
+    direct_io_chosen: bool = False
 
     @staticmethod
     def resolve(
@@ -108,6 +111,7 @@ class IoOptions:
     ) -> "IoOptions":
         """Constructor arguments first, then the environment, then defaults; validates each."""
         env_direct = env_flag("FASTDCP_DIRECT_IO")
+        direct_chosen = direct_io is not None or env_direct is not None
         if direct_io is None:
             direct_io = default_direct_io if env_direct is None else env_direct
         def first_given(*values: int | None) -> int | None:
@@ -123,7 +127,7 @@ class IoOptions:
         if threads > 256:
             raise ValueError(f"io_threads={threads} is unreasonably large (at most 256)")
         chosen = io_threads is not None or env_int("FASTDCP_IO_THREADS") is not None
-        return IoOptions(bool(direct_io), threads, task, budget, chosen)
+        return IoOptions(bool(direct_io), threads, task, budget, chosen, direct_chosen)
 
     def direct_for(self, directory: str) -> bool:
         """Whether to ask for O_DIRECT under ``directory``: never on memory-backed filesystems,

@@ -46,6 +46,7 @@ from ..format.table_metadata import TableMetadata, TableStorageData
 from ..io.committed_metadata import CommittedIndex
 from ..io.engine import DIRECT_ALIGN, IoOptions, cpu_share, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
+from ..io.write_mode import WriteMode, record_write, write_mode_for
 from .async_staging import StagingFuture, StagingReport
 from . import inflight
 from .commit import claim_token, commit_metadata, remove_partial_files, remove_unreferenced, unused_prefix
@@ -92,9 +93,10 @@ class FastFileSystemWriter(FileSystemWriter):
     ``_extensions`` transforms or a non-``torch_save`` serialization format are written by stock code.
 
     fastdcp's own keyword arguments:
-        direct_io: write with O_DIRECT where the filesystem allows it (default True; environment
-            ``FASTDCP_DIRECT_IO``; never on tmpfs/ramfs). Network filesystems are often faster
-            buffered.
+        direct_io: write with O_DIRECT (True) or buffered + fsync (False); environment
+            ``FASTDCP_DIRECT_IO``; never O_DIRECT on tmpfs/ramfs. Unset, it is learnt per filesystem
+            from this process's own saves (``fastdcp.io.write_mode``: O_DIRECT first, one buffered
+            try, then the faster); ``last_write_mode`` says what the last save used and why.
         io_threads: engine worker threads (default ``min(8, cpus)``, at least 4; on tmpfs/ramfs at
             most this rank's share of the CPUs, ``cpus // LOCAL_WORLD_SIZE``, since writing there is a
             memory copy).
@@ -175,6 +177,8 @@ class FastFileSystemWriter(FileSystemWriter):
             )
         self.memory_budget_bytes = ring_budget
         self._ring: DeviceRing | None = None  # pinned ring for GPU tensors; created on first use, never pickled
+        # How the last save wrote its files (fastdcp.io.write_mode): O_DIRECT or buffered, and why.
+        self.last_write_mode: WriteMode | None = None
         env_checksums = env_flag("FASTDCP_CHECKSUMS")
         self.checksums = bool(checksums if checksums is not None else (env_checksums or False))
         self._stager: StateDictStager | None = None  # created by the first stage(); never pickled
@@ -415,8 +419,11 @@ class FastFileSystemWriter(FileSystemWriter):
     def _write_files(self, files: list[FilePlan], options: IoOptions) -> None:
         engine = get_engine(options)
         handles: list[_C.File] = []
-        direct = options.direct_for(str(self.path))
+        total_bytes = sum(f.size for f in files)
+        mode = self.last_write_mode = write_mode_for(str(self.path), options, total_bytes)
+        direct = mode.direct
         try:
+            t_open = time.perf_counter()
             jobs = []
             for f in files:
                 handle = _C.File(f.path, "w", direct)
@@ -438,6 +445,9 @@ class FastFileSystemWriter(FileSystemWriter):
             crash_point("write")
             if self.sync_files:
                 engine.sync(handles, False)
+                # Without fsync a buffered write times only the page-cache copy: not comparable.
+                record_write(str(self.path), mode, total_bytes, time.perf_counter() - t_open,
+                             all(h.direct for h in handles))
             for handle in handles:
                 handle.close()
             crash_point("sync")
