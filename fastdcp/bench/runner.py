@@ -83,6 +83,19 @@ def _memory_note(cfg: BenchConfig, ctx: Context) -> None:
                  f"{', tmpfs checkpoints' if 'shm' in ctx.targets else ''}); {fmt_size(avail)} available")
 
 
+def _note_write_modes(ctx: Context, targets: dict[str, str]) -> None:
+    """Which write mode fastdcp learnt per target (fastdcp.io.write_mode), with both modes' GiB/s."""
+    from fastdcp.io.write_mode import chosen_write_modes
+
+    for directory, mode in chosen_write_modes().items():
+        where = next((w for w, root in targets.items() if directory.startswith(root)), directory)
+        speeds = ", ".join(f"{name} {rate:.2f} GiB/s" for name, rate in (("O_DIRECT", mode.direct_gibps),
+                                                                          ("buffered", mode.buffered_gibps))
+                           if rate is not None)
+        ctx.note(f"fastdcp write mode on {where}: {'O_DIRECT' if mode.direct else 'buffered'} ({mode.reason}"
+                 + (f"; saves of this run wrote {speeds}, medians" if speeds else "") + ")")
+
+
 def _release(ctx: Context, group: str) -> None:
     for root in ctx.targets.values():
         shutil.rmtree(os.path.join(root, group), ignore_errors=True)
@@ -170,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 ctx.peers = prepare_peers(peers, targets.paths["dir"], ctx.note)
             cfg.peers = [p.name for p in ctx.peers]
             _run(cfg, ctx)
+            if uses_fastdcp and not standin:
+                _note_write_modes(ctx, targets.paths)
         except VerificationError as e:
             _banner(["BENCHMARK FAILED: a loaded state dict is NOT bit-exact with what was saved", str(e)])
             return EXIT_VERIFY
