@@ -41,38 +41,24 @@ def _matrix_rows(total_bytes: int) -> int:
     return max(2, per_matrix // (COLUMNS * 2) // 2 * 2)
 
 
-def _boxes(layout: str, src: torch.Tensor, dests: list[torch.Tensor]) -> list[tuple[Any, ...]]:
-    """Box tuples (the Engine.box_copy / pack_boxes format) placing consecutive pieces of the flat
-    `src` buffer into `dests`, and the matching (source view, destination view) pairs."""
+def _pieces(layout: str, src: torch.Tensor, dests: list[torch.Tensor]
+            ) -> tuple[list[tuple[Any, ...]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The pieces that place consecutive bytes of the flat `src` buffer into `dests`: as box tuples
+    (the Engine.box_copy / pack_boxes format) and as (source view, destination view) pairs."""
     from ..load.pieces import RAW
 
     boxes: list[tuple[Any, ...]] = []
-    offset = 0
-    elem = dests[0].element_size()
-    for d in dests:
-        rows, cols = d.shape
-        parts = [d] if layout == "same" else [d[:, : cols // 2], d[:, cols // 2:]]
-        for part in parts:
-            shape = tuple(part.shape)
-            src_stride = (shape[1], 1)
-            boxes.append((src.data_ptr() + offset, part.data_ptr(), RAW, RAW, elem, elem, shape, src_stride,
-                          tuple(part.stride())))
-            offset += part.numel() * elem
-    return boxes
-
-
-def _torch_pairs(layout: str, src: torch.Tensor, dests: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    pairs = []
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     offset = 0
     for d in dests:
-        rows, cols = d.shape
-        parts = [d] if layout == "same" else [d[:, : cols // 2], d[:, cols // 2:]]
-        for part in parts:
-            n = part.numel() * part.element_size()
-            piece = src[offset: offset + n].view(part.dtype).view(part.shape)
-            pairs.append((piece, part))
+        cols = d.shape[1]
+        for part in [d] if layout == "same" else [d[:, : cols // 2], d[:, cols // 2:]]:
+            elem, n = part.element_size(), part.numel() * part.element_size()
+            boxes.append((src.data_ptr() + offset, part.data_ptr(), RAW, RAW, elem, elem, tuple(part.shape),
+                          (part.shape[1], 1), tuple(part.stride())))
+            pairs.append((src[offset: offset + n].view(part.dtype).view(part.shape), part))
             offset += n
-    return pairs
+    return boxes, pairs
 
 
 def _best(fn: Callable[[], None], sync: Callable[[], None], rounds: int = ROUNDS) -> float:
@@ -144,8 +130,7 @@ def run_box_copy(ctx, wheres: list[str]) -> None:
     engine = None if cuda else _C.Engine(threads, 1 << 20)
     try:
         for layout in ("same", "column"):
-            boxes = _boxes(layout, src, dests)
-            pairs = _torch_pairs(layout, src, dests)
+            boxes, pairs = _pieces(layout, src, dests)
             if cuda:
                 fast_copy = _kernel_copy(boxes, device)
                 what = "_C.launch_box_copy: one kernel launch for every piece"

@@ -668,96 +668,85 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, systems: li
     failed: set[str] = set()
     kwargs = _async_kwargs(mode)
     try:
-        _async_saves(ctx, scenario, where, mode, systems, src, src_cpu, dest, canary_name, canary_orig,
-                     step_orig, pairs, saves, cuda, nbytes, bare_descr, blocked_limit, settle, new_writer,
-                     durable_limit, root, canary, writers, stagers, failed, kwargs)
+        for i in range(saves):
+            run = run_label(i)
+            settle()
+            dt = _bare_copy(pairs, cuda)
+            ctx.recorder.add(scenario, where, "bare_copy", {"mode": mode, "run": run, "phase": "blocked"}, nbytes,
+                             dt, blocked_limit, bare_descr)
+            _log(ctx, scenario, where, "bare_copy", f"{mode} {run}", i, dt, nbytes, saves)
+            for si, system in enumerate(systems):
+                if system.name in failed:
+                    continue
+                path = os.path.join(root, system.name, f"save{i}")
+                if not new_writer and system.name not in writers:
+                    writers[system.name] = system.async_writer(path)
+                if i == 0:
+                    system.start_cold()
+                # the values this checkpoint must hold
+                key = ((i * 64 + si + 1) * 0x01000193) & 0x7FFFFFFF
+                canary.copy_(canary_orig)
+                canary.view(torch.int32).bitwise_xor_(key)
+                expected = dict(src_cpu)
+                expected[canary_name] = canary.cpu().clone() if cuda else canary.clone()
+                if step_orig is not None:
+                    src["step"] = expected["step"] = int(step_orig) * 1000 + i
+                os.sync()
+                gc.collect()
+                settle()
+                if cuda:
+                    torch.cuda.synchronize()
+                try:
+                    planner = ctx.planner(system, "save", f"{scenario}/{where}/{mode}")
+                    call_kwargs = dict(kwargs)
+                    if system.make_stager is not None:
+                        if system.name not in stagers:
+                            stagers[system.name] = system.make_stager()
+                        call_kwargs["async_stager"] = stagers[system.name]
+                    t0 = time.perf_counter()
+                    writer = system.async_writer(path) if new_writer else writers[system.name]
+                    resp = dcp.async_save(src, checkpoint_id=path, storage_writer=writer, planner=planner,
+                                          **call_kwargs)
+                    t_call = time.perf_counter() - t0
+                    staging = getattr(resp, "staging_completion", None)  # AsyncSaveResponse (newer torch)
+                    if staging is not None:
+                        staging.result()
+                    t_staged = time.perf_counter() - t0
+                    # an overlapped system's caller is free once the call returns; here it waits for
+                    # staging first (what the guard or stock's protocol does in a loop)
+                    t_blocked = t_call if system.overlapped else t_staged
+                    # the caller modifies the state at once (the checkpoint must not see it)
+                    canary.view(torch.uint8).fill_(SCRIBBLE_BYTE)
+                    if step_orig is not None:
+                        src["step"] = -1
+                    getattr(resp, "upload_completion", resp).result()
+                    t_durable = time.perf_counter() - t0
+                except Exception as exc:
+                    if mode != "process" and not system.overlapped:
+                        raise
+                    failed.add(system.name)
+                    ctx.note(f"{scenario} {mode} mode: {system.name} failed ({type(exc).__name__}: {exc}); "
+                             f"left out of that mode")
+                    continue
+                base = {"mode": mode, "run": run}
+                phases = [("blocked", t_blocked, blocked_limit)]
+                if system.overlapped:
+                    phases.append(("staged", t_staged, blocked_limit))
+                phases.append(("durable", t_durable, durable_limit))
+                for phase, seconds, limit in phases:
+                    ctx.recorder.add(scenario, where, system.name, {**base, "phase": phase}, nbytes, seconds, limit,
+                                     system.description)
+                    _log(ctx, scenario, where, system.name, f"{mode} {run} {phase}", i, seconds, nbytes, saves)
+                scribble(dest)
+                dcp.load(dest, storage_reader=system.make_reader(path), no_dist=True)
+                check(ctx, system, expected, dest, f"{scenario}/{where}/{mode}/save{i}")
+                shutil.rmtree(path, ignore_errors=True)
     finally:
         for stager in stagers.values():
             try:
                 stager.close()
             except Exception as exc:  # a stager that failed to start has nothing to close
                 ctx.note(f"{scenario}: closing a stager failed ({type(exc).__name__}: {exc})")
-
-
-def _async_saves(ctx: Context, scenario: str, where: str, mode: str, systems: list[System],
-                 src: dict[str, Any], src_cpu: dict[str, Any], dest: dict[str, Any], canary_name: str,
-                 canary_orig: torch.Tensor, step_orig: Any, pairs: list, saves: int, cuda: bool, nbytes: int,
-                 bare_descr: dict[str, Any], blocked_limit: str, settle: Callable[[], None], new_writer: bool,
-                 durable_limit: str, root: str, canary: torch.Tensor, writers: dict[str, Any],
-                 stagers: dict[str, Any], failed: set[str], kwargs: dict[str, Any]) -> None:
-    for i in range(saves):
-        run = run_label(i)
-        settle()
-        dt = _bare_copy(pairs, cuda)
-        ctx.recorder.add(scenario, where, "bare_copy", {"mode": mode, "run": run, "phase": "blocked"}, nbytes,
-                         dt, blocked_limit, bare_descr)
-        _log(ctx, scenario, where, "bare_copy", f"{mode} {run}", i, dt, nbytes, saves)
-        for si, system in enumerate(systems):
-            if system.name in failed:
-                continue
-            path = os.path.join(root, system.name, f"save{i}")
-            if not new_writer and system.name not in writers:
-                writers[system.name] = system.async_writer(path)
-            if i == 0:
-                system.start_cold()
-            # the values this checkpoint must hold
-            key = ((i * 64 + si + 1) * 0x01000193) & 0x7FFFFFFF
-            canary.copy_(canary_orig)
-            canary.view(torch.int32).bitwise_xor_(key)
-            expected = dict(src_cpu)
-            expected[canary_name] = canary.cpu().clone() if cuda else canary.clone()
-            if step_orig is not None:
-                src["step"] = expected["step"] = int(step_orig) * 1000 + i
-            os.sync()
-            gc.collect()
-            settle()
-            if cuda:
-                torch.cuda.synchronize()
-            try:
-                planner = ctx.planner(system, "save", f"{scenario}/{where}/{mode}")
-                call_kwargs = dict(kwargs)
-                if system.make_stager is not None:
-                    if system.name not in stagers:
-                        stagers[system.name] = system.make_stager()
-                    call_kwargs["async_stager"] = stagers[system.name]
-                t0 = time.perf_counter()
-                writer = system.async_writer(path) if new_writer else writers[system.name]
-                resp = dcp.async_save(src, checkpoint_id=path, storage_writer=writer, planner=planner,
-                                      **call_kwargs)
-                t_call = time.perf_counter() - t0
-                staging = getattr(resp, "staging_completion", None)  # AsyncSaveResponse (newer torch)
-                if staging is not None:
-                    staging.result()
-                t_staged = time.perf_counter() - t0
-                # an overlapped system's caller is free once the call returns; here it waits for
-                # staging first (what the guard or stock's protocol does in a loop)
-                t_blocked = t_call if system.overlapped else t_staged
-                # the caller modifies the state at once (the checkpoint must not see it)
-                canary.view(torch.uint8).fill_(SCRIBBLE_BYTE)
-                if step_orig is not None:
-                    src["step"] = -1
-                getattr(resp, "upload_completion", resp).result()
-                t_durable = time.perf_counter() - t0
-            except Exception as exc:
-                if mode != "process" and not system.overlapped:
-                    raise
-                failed.add(system.name)
-                ctx.note(f"{scenario} {mode} mode: {system.name} failed ({type(exc).__name__}: {exc}); "
-                         f"left out of that mode")
-                continue
-            base = {"mode": mode, "run": run}
-            phases = [("blocked", t_blocked, blocked_limit)]
-            if system.overlapped:
-                phases.append(("staged", t_staged, blocked_limit))
-            phases.append(("durable", t_durable, durable_limit))
-            for phase, seconds, limit in phases:
-                ctx.recorder.add(scenario, where, system.name, {**base, "phase": phase}, nbytes, seconds, limit,
-                                 system.description)
-                _log(ctx, scenario, where, system.name, f"{mode} {run} {phase}", i, seconds, nbytes, saves)
-            scribble(dest)
-            dcp.load(dest, storage_reader=system.make_reader(path), no_dist=True)
-            check(ctx, system, expected, dest, f"{scenario}/{where}/{mode}/save{i}")
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def run_async(ctx: Context, wheres: list[str]) -> None:
