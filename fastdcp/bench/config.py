@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .peers import PEER_NAMES
+from .storages import MOUNTED_STORAGES
 from .systems import ASYNC_VARIANT_NAMES, SYSTEM_NAMES, standin_requested
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -49,6 +50,7 @@ class BenchConfig:
     size: int = 2 * GiB
     dir: str | None = None                  # parent for the temp target dir (default ./bench_out)
     shm: bool = True                        # also benchmark /dev/shm when present
+    storages: list[str] = field(default_factory=list)   # + mounted for the run: xfs, fuse (storages.py)
     scenarios: list[str] = field(default_factory=lambda: list(CPU_SCENARIOS))
     systems: list[str] = field(default_factory=lambda: list(SYSTEM_NAMES))
     peers: list[str] = field(default_factory=lambda: list(PEER_NAMES))   # run when importable
@@ -109,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", help="directory on the storage to test; a temp dir is made inside it "
                                  "and removed afterwards (default ./bench_out)")
     p.add_argument("--no-shm", action="store_true", help="do not benchmark /dev/shm as well")
+    p.add_argument("--storages", type=_csv,
+                   help=f"also mount and benchmark these storages: comma list from {','.join(MOUNTED_STORAGES)} "
+                        f"(xfs: a loop-mounted image in the --dir parent; fuse: a bindfs passthrough there; "
+                        f"each needs root and its tool, else it is skipped with a note). Default none")
     p.add_argument("--scenarios", type=_csv,
                    help=f"comma list from {','.join(ALL_SCENARIOS)} (gpu_* need CUDA)")
     p.add_argument("--systems", type=_csv,
@@ -256,7 +262,7 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
     c.fresh_planners = a.fresh_planners
     # Lists of names given on the command line: (attribute, allowed names), one check.
     for name, allowed in (("async_modes", ASYNC_MODES), ("async_variants", ASYNC_VARIANT_NAMES),
-                          ("train_devices", ("cpu", "cuda"))):
+                          ("train_devices", ("cpu", "cuda")), ("storages", tuple(MOUNTED_STORAGES))):
         given = getattr(a, name)
         if not given:
             continue
@@ -305,4 +311,5 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.scenarios = ["load"]
         c.peers = []    # a user's DCP checkpoint: the DCP readers only
         c.shm = False  # nothing is written; /dev/shm would only be probed
+        c.storages = []
     return c

@@ -1,18 +1,20 @@
 """Hardware limits measured in the same run as the benchmarks.
 
 * storage: raw sequential write (incl. fsync) and read bandwidth of each target directory,
-  with `fio` when installed, else a Python probe: O_DIRECT `os.pwritev`/`os.preadv` from a few
-  threads (they release the GIL) on page-aligned `mmap` buffers, writes from one buffer of the
-  probe's size so that every byte written is read from memory as a save's is (`WriteSource`;
-  the run from one cached block per thread is reported in the notes; fio writes from its own
-  buffers); where O_DIRECT is refused
-  (EINVAL, e.g. some tmpfs) buffered I/O + fsync instead. The method used is reported.
-  Configurations tried: the configured (block size, threads) pairs on ONE file (the threads
-  share it), and for every block size those ONE FILE PER THREAD with 2, 4, 8 files (doubling
-  while it still gains >= 5%), since many filesystems serialise writers of one file on its
-  inode lock (tmpfs, buffered ext4/xfs, NFS clients): one file can show half of what the
-  storage takes from several. The limit is the best run; which one (files, threads, block,
-  method) is reported (`StorageLimit.method`, `write_best`, `read_best`, `runs`).
+  with `fio` when installed, else a Python probe: `os.pwritev`/`os.preadv` from a few threads
+  (they release the GIL) on page-aligned `mmap` buffers, writes from one buffer of the probe's
+  size so that every byte written is read from memory as a save's is (`WriteSource`; the run
+  from one cached block per thread is reported in the notes; fio writes from its own buffers).
+  Both I/O modes a fastdcp writer or reader can choose are measured (`probe_modes`): O_DIRECT
+  (where the filesystem refuses it, EINVAL, those runs are buffered and say so) and buffered +
+  fsync; memory filesystems buffered only. For each mode, the configured (block size, threads)
+  pairs on ONE file (the threads share it), and for every block size ONE FILE PER THREAD with 2,
+  4, 8 files (doubling while it still gains >= 5%), since many filesystems serialise writers of
+  one file on its inode lock (tmpfs, buffered ext4/xfs, NFS clients): one file can show half of
+  what the storage takes from several. The limit is the best run of any mode, so a fraction of
+  it cannot be flattered by probing only the slower mode; which run (mode, files, threads,
+  block) is reported (`StorageLimit.method`, `write_best`, `read_best`, `runs`), and the best per
+  mode (`write_by_mode`, `read_by_mode`).
   Writes fsync every file inside the timed region; reads are cold where the filesystem allows
   it: O_DIRECT, else posix_fadvise(DONTNEED) of every (clean, fsynced) file first. On tmpfs the
   data lives in the page cache, so its "read" is a copy out of memory.
@@ -61,6 +63,11 @@ class ProbeRun:
     gibps: float
     files: int = 1     # 1: the threads share one file; N (= threads): one file per thread
 
+    @property
+    def direct(self) -> bool:
+        """Whether the run's I/O was O_DIRECT (the method says what the filesystem granted)."""
+        return "O_DIRECT" in self.method or "direct=1" in self.method
+
     def describe(self) -> str:
         return (f"{self.method} {_fmt_block(self.block)} x{self.threads} thread{'s' * (self.threads > 1)}, "
                 f"{self.files} file{'s' * (self.files > 1)}")
@@ -79,6 +86,8 @@ class StorageLimit:
     note: str = ""
     write_best: ProbeRun | None = None   # the run that set write_gibps
     read_best: ProbeRun | None = None    # the run that set read_gibps
+    write_by_mode: dict[str, float] = field(default_factory=dict)   # best write per mode (O_DIRECT, buffered)
+    read_by_mode: dict[str, float] = field(default_factory=dict)    # best cold read per mode
 
 
 @dataclass
@@ -160,8 +169,26 @@ def _multi_file_runs(nbytes: int, configs: list[tuple[int, int]], pair: Pair) ->
     return runs
 
 
+def probe_modes(tmpfs: bool) -> tuple[bool, ...]:
+    """The I/O modes a probe measures, O_DIRECT first: both modes a writer or reader may choose
+    (fastdcp.io.write_mode), since either can be the faster on a given storage. Memory
+    filesystems: buffered only; fastdcp never asks for O_DIRECT there, and tmpfs serves it through
+    the same page cache anyway."""
+    return (False,) if tmpfs else (True, False)
+
+
 def best_run(runs: list[ProbeRun], op: str) -> ProbeRun:
     return max((r for r in runs if r.op == op), key=lambda r: r.gibps)
+
+
+def best_by_mode(runs: list[ProbeRun], op: str) -> dict[str, float]:
+    """The best GiB/s of `op` per I/O mode measured: {"O_DIRECT": .., "buffered": ..}."""
+    out: dict[str, float] = {}
+    for r in runs:
+        if r.op == op:
+            mode = "O_DIRECT" if r.direct else "buffered"
+            out[mode] = max(out.get(mode, 0.0), r.gibps)
+    return out
 
 
 def _describe_best(runs: list[ProbeRun]) -> str:
@@ -368,32 +395,24 @@ def _probe_python(path: str, nbytes: int, configs: list[tuple[int, int]],
 def _probe_python_runs(path: str, nbytes: int, configs: list[tuple[int, int]], tmpfs: bool,
                        source: WriteSource) -> tuple[list[ProbeRun], list[str]]:
     runs: list[ProbeRun] = []
-    for block, threads in configs:  # one file shared by the threads
-        runs += _python_pair(path, nbytes, block, threads, 1, direct=True, source=source)
-    direct = any(r.method == "python O_DIRECT" for r in runs)
-    _remove([path])  # not needed until the last run; keep tmpfs from holding two copies
-
-    runs += _multi_file_runs(nbytes, configs,
-                             lambda b, t, f: _python_pair(path, nbytes, b, t, f, direct=True, source=source))
-    # Buffered I/O can beat O_DIRECT (kernel writeback / readahead): the limit is the best way
-    # the device can be driven, so try it too (write+fsync; cold read), on one file at the
-    # largest block, and with one file per thread, as many files as the best multi-file run
-    # (write or read) at that block. tmpfs does O_DIRECT through its page cache, i.e. the same
-    # path as buffered I/O: there the one-file buffered run is kept only to leave `path`.
-    block = max(b for b, _ in configs)
-    if direct and not tmpfs:
-        multi = [r for r in runs if r.files > 1 and r.block == block]
-        if multi:
-            files = max(multi, key=lambda r: r.gibps).files
-            runs += _python_pair(path, nbytes, block, files, files, direct=False, source=source)
+    for direct in probe_modes(tmpfs):
+        mode_runs: list[ProbeRun] = []
+        for block, threads in configs:  # one file shared by the threads
+            mode_runs += _python_pair(path, nbytes, block, threads, 1, direct=direct, source=source)
+        _remove([path])  # keep tmpfs from holding two copies; the last run below leaves it again
+        mode_runs += _multi_file_runs(
+            nbytes, configs, lambda b, t, f: _python_pair(path, nbytes, b, t, f, direct=direct, source=source))
+        runs += mode_runs
+        if direct and not any(r.direct for r in mode_runs):
+            break  # O_DIRECT refused: these runs were buffered already
     # For the record, not the limit: the best write configuration again, each thread writing one
     # cache-resident block over and over (what this probe did before WriteSource).
     best = best_run(runs, "write")
-    cached = _python_pair(path, nbytes, best.block, best.threads, best.files,
-                          direct=best.method == "python O_DIRECT")[0]
+    cached = _python_pair(path, nbytes, best.block, best.threads, best.files, direct=best.direct)[0]
     note = (f"write from one cached {_fmt_block(best.block)} block per thread instead of the "
             f"state-sized source ({best.files} file(s), {best.threads} thread(s)): {cached.gibps:.2f} GiB/s, "
             f"not a limit a save can reach (a save reads every byte it writes from memory)")
+    block = max(b for b, _ in configs)
     runs += _python_pair(path, nbytes, block, 1, 1, direct=False, source=source)  # last: leaves `path`
     return runs, [note]
 
@@ -431,29 +450,43 @@ def _fio(path: str, nbytes: int, block: int, threads: int, rw: str, direct: bool
     return float(job["bw_bytes"]) / GIB
 
 
-def _fio_pair(path: str, nbytes: int, block: int, threads: int, files: int) -> tuple[ProbeRun, ProbeRun]:
+def _fio_pair(path: str, nbytes: int, block: int, threads: int, files: int,
+              direct: bool) -> tuple[ProbeRun, ProbeRun]:
+    """One configuration written then read with fio, with O_DIRECT when `direct` and the
+    filesystem takes it, else buffered (writes fsynced, reads after dropping the files' pages)."""
     out = []
     for rw in ("write", "read"):
-        try:
-            g, m = _fio(path, nbytes, block, threads, rw, True, files), "fio direct=1"
-        except (subprocess.CalledProcessError, ValueError, KeyError):
-            g, m = _fio(path, nbytes, block, threads, rw, False, files), \
-                ("fio direct=0 end_fsync=1" if rw == "write" else "fio direct=0")
-        out.append(ProbeRun(rw, block, threads, m, g, files))
+        gibps = None
+        if direct:
+            try:
+                gibps, method = _fio(path, nbytes, block, threads, rw, True, files), "fio direct=1"
+            except (subprocess.CalledProcessError, ValueError, KeyError):
+                gibps = None  # refused: the buffered run below
+        if gibps is None:
+            gibps = _fio(path, nbytes, block, threads, rw, False, files)
+            method = "fio direct=0 end_fsync=1" if rw == "write" else "fio direct=0"
+        out.append(ProbeRun(rw, block, threads, method, gibps, files))
     return out[0], out[1]
 
 
-def _probe_fio(path: str, nbytes: int, configs: list[tuple[int, int]]) -> tuple[list[ProbeRun], list[str]]:
+def _probe_fio(path: str, nbytes: int, configs: list[tuple[int, int]],
+               tmpfs: bool = False) -> tuple[list[ProbeRun], list[str]]:
     runs: list[ProbeRun] = []
-    for block, threads in configs:
-        runs += _fio_pair(path, nbytes, block, threads, 1)
     notes: list[str] = []
-    try:
-        runs += _multi_file_runs(nbytes, configs, lambda b, t, f: _fio_pair(path, nbytes, b, t, f))
-    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
-        notes.append(f"fio multi-file runs failed ({type(e).__name__}: {e}); limit from one-file runs")
-    finally:
-        _remove(probe_paths(path, MAX_PROBE_FILES))
+    for direct in probe_modes(tmpfs):
+        mode_runs: list[ProbeRun] = []
+        for block, threads in configs:
+            mode_runs += _fio_pair(path, nbytes, block, threads, 1, direct)
+        try:
+            mode_runs += _multi_file_runs(nbytes, configs, lambda b, t, f: _fio_pair(path, nbytes, b, t, f, direct))
+        except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
+            notes.append(f"fio multi-file runs failed ({'O_DIRECT' if direct else 'buffered'}, "
+                         f"{type(e).__name__}: {e}); limit from one-file runs")
+        finally:
+            _remove(probe_paths(path, MAX_PROBE_FILES))
+        runs += mode_runs
+        if direct and not any(r.direct for r in mode_runs):
+            break  # O_DIRECT refused: these runs were buffered already
     return runs, notes
 
 
@@ -470,7 +503,7 @@ def probe_storage(where_dir: str, nbytes: int, configs: list[tuple[int, int]],
     try:
         if use_fio:
             try:
-                runs, notes = _probe_fio(path, nbytes, configs)
+                runs, notes = _probe_fio(path, nbytes, configs, info.is_tmpfs)
             except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
                 notes = [f"fio failed ({type(e).__name__}: {e}); used the python probe"]
                 runs, more = _probe_python(path, nbytes, configs, info.is_tmpfs)
@@ -486,7 +519,8 @@ def probe_storage(where_dir: str, nbytes: int, configs: list[tuple[int, int]],
     w, r = best_run(runs, "write"), best_run(runs, "read")
     return StorageLimit(path=info.path, fstype=info.fstype, method=_describe_best(runs), bytes=nbytes,
                         write_gibps=w.gibps, read_gibps=r.gibps, page_cache_read_gibps=pcr, runs=runs,
-                        note="; ".join(notes), write_best=w, read_best=r)
+                        note="; ".join(notes), write_best=w, read_best=r,
+                        write_by_mode=best_by_mode(runs, "write"), read_by_mode=best_by_mode(runs, "read"))
 
 
 def _best_time(fn, rounds: int) -> float:

@@ -61,8 +61,10 @@ def header_lines(machine: dict[str, Any], limits: Limits | None, cold_method: st
         lines.append(f"target {w:<10} {t['path']} ({t['fstype']} on {t['device']})")
     if limits:
         for w, s in limits.storage.items():
+            modes = "; ".join(f"{op} by mode: " + ", ".join(f"{m} {v:.2f}" for m, v in sorted(d.items()))
+                              for op, d in (("write", s.write_by_mode), ("read", s.read_by_mode)) if d)
             lines.append(f"limit  {w:<10} write {s.write_gibps:.2f} GiB/s, read {s.read_gibps:.2f} GiB/s "
-                         f"[{s.method}; {s.bytes >> 20} MiB], page-cache read "
+                         f"[{s.method}; {s.bytes >> 20} MiB{'; ' + modes if modes else ''}], page-cache read "
                          f"{_f(s.page_cache_read_gibps)} GiB/s{' (' + s.note + ')' if s.note else ''}")
         meth = ", ".join(f"{k} {v:.2f}" for k, v in limits.memcpy_methods.items())
         lines.append(f"limit  memcpy     {limits.memcpy_gibps:.2f} GiB/s (best of: {meth})")
@@ -187,6 +189,46 @@ def peer_lines(results: list[Result]) -> list[str]:
         out.append(f"  {some.scenario} {label} {some.where}: " + "; ".join(parts)
                    + " | peers: " + ", ".join(f"{r.system} {r.gibps:.2f}" for r in peers))
     return ["fastdcp vs best peer (median GiB/s; stock_best counts as a peer):", *out] if out else []
+
+
+def _mode_name(io_mode: str) -> str:
+    return io_mode.split(" ", 1)[0]   # "O_DIRECT (first save)" -> "O_DIRECT"
+
+
+def storage_lines(results: list[Result], limits: Limits | None) -> list[str]:
+    """Per storage (a markdown table): fastdcp's save and loads against the best peer and the
+    limit; the I/O mode fastdcp used in its last run (and why) with its median GiB/s in each mode
+    it ran in (fastdcp.io.write_mode / read_mode learn it from these runs); the limit of each mode
+    the probe measured."""
+    rows: list[str] = []
+    for r in results:
+        if r.system != "fastdcp" or r.scenario not in ("save", "load") or r.gibps is None:
+            continue
+        if r.scenario == "load" and r.config.get("ckpt_writer") != "fastdcp":
+            continue
+        case = "save (fsync)" if r.scenario == "save" else f"load, {r.config.get('cache')}"
+        modes = r.extra.get("io_mode") or []
+        by_mode: dict[str, list[float]] = {}
+        if len(modes) == len(r.seconds):
+            for mode, sec in zip(modes, r.seconds):
+                by_mode.setdefault(_mode_name(mode), []).append(r.bytes / sec / (1 << 30))
+        last = modes[-1] if modes else "-"
+        runs = ", ".join(f"{m} {statistics.median(v):.2f} ({len(v)})" for m, v in sorted(by_mode.items())) or "-"
+        storage = limits.storage.get(r.where) if limits else None
+        per_mode = storage.write_by_mode if storage and r.scenario == "save" else (
+            storage.read_by_mode if storage and r.config.get("cache") == "cold" else {})
+        limit_modes = " / ".join(f"{m} {v:.2f}" for m, v in sorted(per_mode.items())) or (r.limit or "-")
+        peer = f"{r.best_peer} {r.best_peer_gibps:.2f}" if r.best_peer else "-"
+        rows.append(f"| {r.where} | {case} | **{r.gibps:.2f}** | {last} | {runs} | {peer} | "
+                    f"{_f(r.ratio_vs_best_peer, '{:.2f}x')} | {limit_modes} | "
+                    f"{_f(None if r.fraction_of_limit is None else 100 * r.fraction_of_limit, '{:.0f}%')} |")
+    if not rows:
+        return []
+    return ["per storage (fastdcp; GiB/s; mode = its last run's, with why; by mode: median (runs); "
+            "limit: best probe run per mode, warm loads: memory copy):",
+            "| storage | case | fastdcp | mode (last run) | fastdcp by mode | best peer | vs best peer | "
+            "limit by mode | of best limit |",
+            "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _with_phase(r: Result, phase: str) -> tuple:

@@ -19,8 +19,8 @@ from .pagecache import choose_cold_method
 from .floor import BASELINE_SYSTEMS
 from .peers import prepare_peers, resolve_peers
 from .report import (concurrency_lines, header_lines, peer_lines, print_report, reader_stats_lines,
-                     run_description, sort_for_report, summary_lines, table_lines, train_loop_lines, write_json,
-                     write_plot)
+                     run_description, sort_for_report, storage_lines, summary_lines, table_lines,
+                     train_loop_lines, write_json, write_plot)
 from .reshard import run_reshard
 from .results import Recorder, finalize
 from .concurrency import run_concurrency
@@ -30,6 +30,7 @@ from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
 from .training_loop import run_train_loop
 from .box_copy import run_box_copy
+from .storages import MountedStorage, StorageUnavailable, image_bytes_for, mount_storage
 from .state import EXIT_VERIFY, VerificationError
 from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
 
@@ -47,10 +48,13 @@ def _banner(lines: list[str]) -> None:
 
 
 class Targets:
-    """Temp directories we own on each storage target; removed on close()."""
+    """Temp directories we own on each storage target, and the storages mounted for the run
+    (storages.py); all removed on close(). `skipped`: storages asked for that could not be made."""
 
     def __init__(self, cfg: BenchConfig) -> None:
         self.paths: dict[str, str] = {}
+        self.mounted: dict[str, MountedStorage] = {}
+        self.skipped: dict[str, str] = {}
         self._made_parent: str | None = None
         parent = os.path.abspath(cfg.dir or os.path.join(os.getcwd(), "bench_out"))
         if not os.path.isdir(parent):
@@ -59,11 +63,36 @@ class Targets:
         self.paths["dir"] = tempfile.mkdtemp(prefix="fastdcp_bench_", dir=parent)
         if cfg.shm and os.path.isdir(SHM) and os.access(SHM, os.W_OK):
             self.paths["shm"] = tempfile.mkdtemp(prefix="fastdcp_bench_", dir=SHM)
+        checkpoints = len(cfg.systems) + len(cfg.peers) + 1
+        try:
+            for name in cfg.storages:
+                try:
+                    storage = mount_storage(name, parent, image_bytes_for(cfg.size, checkpoints, cfg.probe_bytes))
+                except StorageUnavailable as e:
+                    self.skipped[name] = str(e)
+                    continue
+                self.mounted[name] = storage
+                self.paths[name] = tempfile.mkdtemp(prefix="fastdcp_bench_", dir=storage.path)
+        except BaseException:
+            self.close()
+            raise
 
-    def close(self) -> None:
-        for p in self.paths.values():
-            shutil.rmtree(p, ignore_errors=True)
-        if self._made_parent:
+    def describe(self) -> list[str]:
+        """One line per mounted storage, and one per storage skipped, saying why."""
+        return ([f"storage {n}: {s.description}" for n, s in self.mounted.items()]
+                + [f"storage {n} skipped: {why}" for n, why in self.skipped.items()])
+
+    def close(self, keep: bool = False) -> None:
+        """Remove our directories (with `keep`, only those on mounted storages, which go) and take
+        the mounted storages down."""
+        for where, p in self.paths.items():
+            if not keep or where in self.mounted:
+                shutil.rmtree(p, ignore_errors=True)
+        for name, storage in self.mounted.items():
+            for error in storage.close():
+                print(f"fastdcp.bench: could not take down storage {name}: {error}", file=sys.stderr)
+        self.mounted = {}
+        if self._made_parent and not keep:
             try:
                 os.rmdir(self._made_parent)
             except OSError:
@@ -173,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(cfg=cfg, systems=systems, targets=targets.paths, recorder=Recorder(),
                       progress=progress, cold_method=cold, notes=list(system_notes))
         _memory_note(cfg, ctx)
+        for line in targets.describe():
+            ctx.note(line)
         if cold is None:
             ctx.note("no way to make the page cache cold here: loads are warm only")
         elif cold != "drop_caches" and cfg.cold_method == "auto":
@@ -192,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         results = sort_for_report(finalize(ctx.recorder.results, limits), order)
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
         print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",
-                      *peer_lines(results), "", *reader_stats_lines(results), "", *train_loop_lines(results), "",
+                      *peer_lines(results), "", *storage_lines(results, limits), "",
+                      *reader_stats_lines(results), "", *train_loop_lines(results), "",
                       *concurrency_lines(results), "", *plan_scale_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)
@@ -204,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     finally:
         if cfg.keep:
-            progress(f"kept {', '.join(targets.paths.values())}")
-        else:
-            targets.close()
+            kept = [p for w, p in targets.paths.items() if w not in targets.mounted]
+            progress(f"kept {', '.join(kept)}"
+                     + (f" (storages {','.join(targets.mounted)} are taken down all the same)" if targets.mounted else ""))
+        targets.close(keep=cfg.keep)

@@ -114,9 +114,18 @@ class Context:
 
 # --------------------------------------------------------------------------- primitives
 
+def io_mode_of(mode: Any) -> str | None:
+    """A fastdcp writer's ``last_write_mode`` / reader's ``last_read_mode`` as "O_DIRECT (why)" or
+    "buffered (why)"; None for other systems."""
+    if mode is None:
+        return None
+    return f"{'O_DIRECT' if mode.direct else 'buffered'} ({mode.reason})"
+
+
 def timed_save(system: System, sd: dict[str, Any], path: str, planner: Any = None,
-               writer: Any = None) -> float:
-    """Seconds for one dcp.save (the writer is made outside the timing unless given)."""
+               writer: Any = None, mode_out: dict[str, Any] | None = None) -> float:
+    """Seconds for one dcp.save (the writer is made outside the timing unless given).
+    ``mode_out["io_mode"]``: how a fastdcp writer wrote its files (:func:`io_mode_of`)."""
     if path and os.path.exists(path):
         shutil.rmtree(path)
     os.sync()  # flush unrelated dirty pages (e.g. from the rmtree) outside the timed region
@@ -124,12 +133,15 @@ def timed_save(system: System, sd: dict[str, Any], path: str, planner: Any = Non
     writer = writer if writer is not None else system.make_writer(path)
     t0 = time.perf_counter()
     dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    if mode_out is not None:
+        mode_out["io_mode"] = io_mode_of(getattr(writer, "last_write_mode", None))
+    return elapsed
 
 
 def timed_load(system: System, dest: dict[str, Any], path: str, sync_cuda: bool = False,
                reader_stats: dict[str, Any] | None = None, planner: Any = None,
-               reader: Any = None) -> float:
+               reader: Any = None, mode_out: dict[str, Any] | None = None) -> float:
     """Seconds for one dcp.load; fills ``reader_stats`` with the reader's own counters
     (fastdcp's ``last_stats``: bytes needed vs read, requests, seconds per phase) when it has any."""
     gc.collect()
@@ -143,6 +155,8 @@ def timed_load(system: System, dest: dict[str, Any], path: str, sync_cuda: bool 
     elapsed = time.perf_counter() - t0
     if reader_stats is not None:
         reader_stats.update(getattr(reader, "last_stats", None) or {})
+    if mode_out is not None:
+        mode_out["io_mode"] = io_mode_of(getattr(reader, "last_read_mode", None))
     return elapsed
 
 
@@ -290,9 +304,11 @@ def run_save(ctx: Context, wheres: list[str]) -> None:
             last = rep == ctx.cfg.repeats - 1
             for system in ctx.systems:
                 path = ctx.ckpt_dir(where, "ckpt", system.name)
-                dt = timed_save(system, src, path, ctx.planner(system, "save", f"save/{where}"))
+                mode: dict[str, Any] = {}
+                dt = timed_save(system, src, path, ctx.planner(system, "save", f"save/{where}"), mode_out=mode)
                 ctx.recorder.add("save", where, system.name, {"fsync": True}, nbytes, dt,
-                                 save_limit(where, tmpfs), system.description, file_bytes=dir_bytes(path))
+                                 save_limit(where, tmpfs), system.description, file_bytes=dir_bytes(path),
+                                 **({"io_mode": mode["io_mode"]} if mode.get("io_mode") else {}))
                 _log(ctx, "save", where, system.name, "fsync", rep, dt, nbytes)
                 if last:
                     finish_system(where, system, path)
@@ -343,13 +359,16 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
                     scribble(dest)
                     prepare_cache(ctx, cache, path, primers[system.name])
                     reader_stats: dict[str, Any] = {}
+                    mode: dict[str, Any] = {}
                     dt = timed_load(system, dest, path, reader_stats=reader_stats,
-                                    planner=ctx.planner(system, "load", f"load/{where}"))
+                                    planner=ctx.planner(system, "load", f"load/{where}"), mode_out=mode)
                     check(ctx, system, src, dest, f"load/{where}/{cache}/ckpt_writer={writer.name}")
                     cfg = {"cache": cache, "ckpt_writer": writer.name}
                     if cache == "cold":
                         cfg["cold_method"] = ctx.cold_method
                     extra = {"reader_stats": reader_stats} if reader_stats else {}
+                    if mode.get("io_mode"):
+                        extra["io_mode"] = mode["io_mode"]
                     ctx.recorder.add("load", where, system.name, cfg, nbytes, dt,
                                      load_limit(where, tmpfs, cache), system.description, **extra)
                     _log(ctx, "load", where, system.name, f"{cache} ckpt={writer.name}", rep, dt, nbytes)

@@ -195,11 +195,35 @@ def test_limit_is_the_best_run_and_names_its_configuration(tmp_path, monkeypatch
     # 8 MiB: 2 -> 4 files gained >= 5%, so 8 was tried; 1 MiB: 4 did not gain over 2, so not
     multi = [(b, f) for b, _, f, d in (c for c in calls if c[0] != "cached") if f > 1 and d]
     assert multi == [(8 * MiB, 2), (8 * MiB, 4), (8 * MiB, 8), (1 * MiB, 2), (1 * MiB, 4)]
-    # buffered: one file per thread as many as the best multi-file run at the largest block,
-    # then one file (last, it leaves the file for the page-cache read)
-    assert calls[-3:] == [(8 * MiB, 4, 4, False), ("cached", 8 * MiB, 4, 4, True), (8 * MiB, 1, 1, False)]
+    # buffered + fsync: the same sweep (every configuration, one file and the file ladder), then
+    # the cached-block run, then one file (last, it leaves the file for the page-cache read)
+    buffered = [c[:3] for c in calls[:-2] if c[0] != "cached" and not c[3]]
+    # (all 1.0 in buffered mode: 4 files gain nothing over 2, so the ladder stops at 4)
+    assert buffered == [(1 * MiB, 4, 1), (8 * MiB, 1, 1), (8 * MiB, 2, 2), (8 * MiB, 4, 4),
+                        (1 * MiB, 2, 2), (1 * MiB, 4, 4)]
+    assert calls[-2:] == [("cached", 8 * MiB, 4, 4, True), (8 * MiB, 1, 1, False)]
+    assert lim.write_by_mode == {"O_DIRECT": 4.8, "buffered": 1.0} and lim.read_by_mode["O_DIRECT"] == 6.0
     # the run from one cached block per thread is in the note, never the limit
     assert "99.00 GiB/s" in lim.note and all(r.gibps != 99.0 for r in lim.runs)
+
+
+def test_a_faster_buffered_mode_sets_the_limit(tmp_path, monkeypatch):
+    """The limit is the best of both modes a writer can choose: where buffered + fsync beats
+    O_DIRECT (a virtio disk, some network filesystems) a probe of O_DIRECT alone would flatter
+    every fraction of the limit."""
+    table = {(8 * MiB, 1, True): (1.0, 1.0), (8 * MiB, 2, False): (1.6, 0.9), (8 * MiB, 1, False): (1.2, 1.4)}
+    calls = []
+    monkeypatch.setattr(L, "_python_pair", _fake_pair(table, calls))
+    lim = probe_storage(str(tmp_path), 64 * MiB, [(8 * MiB, 1)], method="python")
+    assert (lim.write_gibps, lim.read_gibps) == (1.6, 1.4)
+    assert not lim.write_best.direct and lim.write_best.files == 2
+    assert lim.write_by_mode == {"O_DIRECT": 1.0, "buffered": 1.6}
+    assert lim.read_by_mode == {"O_DIRECT": 1.0, "buffered": 1.4}
+    assert "write: python buffered 8 MiB x2 threads, 2 files" in lim.method
+
+
+def test_memory_filesystems_are_probed_buffered_only():
+    assert L.probe_modes(tmpfs=True) == (False,) and L.probe_modes(tmpfs=False) == (True, False)
 
 
 def test_file_ladder_is_capped():
