@@ -40,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .pagecache import fs_info
+from .pagecache import COLD_DROP, drop_page_cache, fs_info
 
 GIB = float(1 << 30)
 MIB = 1 << 20
@@ -327,6 +327,8 @@ def _python_write(paths: list[str], nbytes: int, block: int, threads: int,
             fd, d = _open_write(p, direct)
             fds.append(fd)
             modes.append(d)
+            if d:  # as fastdcp's writer does: no O_DIRECT write extends the file (ext4 and xfs serialise those)
+                os.posix_fallocate(fd, 0, nbytes // len(paths))
         src = source.get(nbytes) if source is not None else None
         dt = _run_threads(fds, nbytes, _buffers(block, threads, fill=src is None), write=True, fsync=True,
                           source=src)
@@ -337,11 +339,15 @@ def _python_write(paths: list[str], nbytes: int, block: int, threads: int,
 
 
 def _python_read(paths: list[str], nbytes: int, block: int, threads: int,
-                 direct: bool) -> tuple[float, bool]:
+                 direct: bool, cold: str | None = None) -> tuple[float, bool]:
     """Read back what `_python_write` wrote, cold: O_DIRECT, else after evicting each file from
-    the page cache (its pages are clean: the write fsynced them)."""
+    the page cache (its pages are clean: the write fsynced them); with `cold` = drop_caches, after
+    dropping every cache first (as the cold loads are), which also reaches what a FUSE daemon
+    cached of its backing files."""
     fds: list[int] = []
     modes: list[bool] = []
+    if cold == COLD_DROP:
+        drop_page_cache()
     try:
         for p in paths:
             fd, d = _open(p, os.O_RDONLY, direct)
@@ -368,13 +374,14 @@ def _page_cache_read(path: str, nbytes: int, block: int = 8 << 20) -> float:
 
 
 def _python_pair(path: str, nbytes: int, block: int, threads: int, files: int,
-                 direct: bool, source: WriteSource | None = None) -> tuple[ProbeRun, ProbeRun]:
+                 direct: bool, source: WriteSource | None = None,
+                 cold: str | None = None) -> tuple[ProbeRun, ProbeRun]:
     """Write (from `source`) then read back one configuration; multi-file runs remove their files."""
     size = _run_size(nbytes, block, threads)
     paths = probe_paths(path, files)
     try:
         w, wd = _python_write(paths, size, block, threads, direct, source)
-        r, rd = _python_read(paths, size, block, threads, direct)
+        r, rd = _python_read(paths, size, block, threads, direct, cold)
     finally:
         if files > 1:
             _remove(paths)
@@ -384,24 +391,25 @@ def _python_pair(path: str, nbytes: int, block: int, threads: int, files: int,
 
 
 def _probe_python(path: str, nbytes: int, configs: list[tuple[int, int]],
-                  tmpfs: bool = False) -> tuple[list[ProbeRun], list[str]]:
+                  tmpfs: bool = False, cold: str | None = None) -> tuple[list[ProbeRun], list[str]]:
     source = WriteSource()  # every write run writes distinct bytes from one state-sized buffer
     try:
-        return _probe_python_runs(path, nbytes, configs, tmpfs, source)
+        return _probe_python_runs(path, nbytes, configs, tmpfs, source, cold)
     finally:
         source.close()
 
 
 def _probe_python_runs(path: str, nbytes: int, configs: list[tuple[int, int]], tmpfs: bool,
-                       source: WriteSource) -> tuple[list[ProbeRun], list[str]]:
+                       source: WriteSource, cold: str | None = None) -> tuple[list[ProbeRun], list[str]]:
     runs: list[ProbeRun] = []
     for direct in probe_modes(tmpfs):
         mode_runs: list[ProbeRun] = []
         for block, threads in configs:  # one file shared by the threads
-            mode_runs += _python_pair(path, nbytes, block, threads, 1, direct=direct, source=source)
+            mode_runs += _python_pair(path, nbytes, block, threads, 1, direct=direct, source=source, cold=cold)
         _remove([path])  # keep tmpfs from holding two copies; the last run below leaves it again
         mode_runs += _multi_file_runs(
-            nbytes, configs, lambda b, t, f: _python_pair(path, nbytes, b, t, f, direct=direct, source=source))
+            nbytes, configs,
+            lambda b, t, f: _python_pair(path, nbytes, b, t, f, direct=direct, source=source, cold=cold))
         runs += mode_runs
         if direct and not any(r.direct for r in mode_runs):
             break  # O_DIRECT refused: these runs were buffered already
@@ -413,7 +421,7 @@ def _probe_python_runs(path: str, nbytes: int, configs: list[tuple[int, int]], t
             f"state-sized source ({best.files} file(s), {best.threads} thread(s)): {cached.gibps:.2f} GiB/s, "
             f"not a limit a save can reach (a save reads every byte it writes from memory)")
     block = max(b for b, _ in configs)
-    runs += _python_pair(path, nbytes, block, 1, 1, direct=False, source=source)  # last: leaves `path`
+    runs += _python_pair(path, nbytes, block, 1, 1, direct=False, source=source, cold=cold)  # last: leaves `path`
     return runs, [note]
 
 
@@ -437,13 +445,17 @@ def fio_command(path: str, nbytes: int, block: int, threads: int, rw: str, direc
                  "--nrfiles=1"]
     cmd = ["fio", "--name=probe", *where, f"--rw={rw}", f"--bs={block}", f"--size={per}",
            f"--numjobs={threads}", f"--direct={1 if direct else 0}", "--ioengine=psync",
-           "--fallocate=none", "--group_reporting", "--output-format=json"]
+           # preallocated for O_DIRECT, as fastdcp's writer does; buffered writes are not
+           f"--fallocate={'posix' if direct else 'none'}", "--group_reporting", "--output-format=json"]
     cmd.append("--end_fsync=1" if rw == "write" else "--invalidate=1")
     return cmd
 
 
-def _fio(path: str, nbytes: int, block: int, threads: int, rw: str, direct: bool, files: int = 1) -> float:
+def _fio(path: str, nbytes: int, block: int, threads: int, rw: str, direct: bool, files: int = 1,
+         cold: str | None = None) -> float:
     cmd = fio_command(path, nbytes, block, threads, rw, direct, files)
+    if rw == "read" and cold == COLD_DROP:
+        drop_page_cache()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     text = out.stdout[out.stdout.index("{"):]  # fio may print notes before the JSON
     job = json.loads(text)["jobs"][0][rw]  # group_reporting: one entry for all the jobs
@@ -451,7 +463,7 @@ def _fio(path: str, nbytes: int, block: int, threads: int, rw: str, direct: bool
 
 
 def _fio_pair(path: str, nbytes: int, block: int, threads: int, files: int,
-              direct: bool) -> tuple[ProbeRun, ProbeRun]:
+              direct: bool, cold: str | None = None) -> tuple[ProbeRun, ProbeRun]:
     """One configuration written then read with fio, with O_DIRECT when `direct` and the
     filesystem takes it, else buffered (writes fsynced, reads after dropping the files' pages)."""
     out = []
@@ -459,26 +471,26 @@ def _fio_pair(path: str, nbytes: int, block: int, threads: int, files: int,
         gibps = None
         if direct:
             try:
-                gibps, method = _fio(path, nbytes, block, threads, rw, True, files), "fio direct=1"
+                gibps, method = _fio(path, nbytes, block, threads, rw, True, files, cold), "fio direct=1"
             except (subprocess.CalledProcessError, ValueError, KeyError):
                 gibps = None  # refused: the buffered run below
         if gibps is None:
-            gibps = _fio(path, nbytes, block, threads, rw, False, files)
+            gibps = _fio(path, nbytes, block, threads, rw, False, files, cold)
             method = "fio direct=0 end_fsync=1" if rw == "write" else "fio direct=0"
         out.append(ProbeRun(rw, block, threads, method, gibps, files))
     return out[0], out[1]
 
 
 def _probe_fio(path: str, nbytes: int, configs: list[tuple[int, int]],
-               tmpfs: bool = False) -> tuple[list[ProbeRun], list[str]]:
+               tmpfs: bool = False, cold: str | None = None) -> tuple[list[ProbeRun], list[str]]:
     runs: list[ProbeRun] = []
     notes: list[str] = []
     for direct in probe_modes(tmpfs):
         mode_runs: list[ProbeRun] = []
         for block, threads in configs:
-            mode_runs += _fio_pair(path, nbytes, block, threads, 1, direct)
+            mode_runs += _fio_pair(path, nbytes, block, threads, 1, direct, cold)
         try:
-            mode_runs += _multi_file_runs(nbytes, configs, lambda b, t, f: _fio_pair(path, nbytes, b, t, f, direct))
+            mode_runs += _multi_file_runs(nbytes, configs, lambda b, t, f: _fio_pair(path, nbytes, b, t, f, direct, cold))
         except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
             notes.append(f"fio multi-file runs failed ({'O_DIRECT' if direct else 'buffered'}, "
                          f"{type(e).__name__}: {e}); limit from one-file runs")
@@ -493,9 +505,11 @@ def _probe_fio(path: str, nbytes: int, configs: list[tuple[int, int]],
 # --------------------------------------------------------------------------- public API
 
 def probe_storage(where_dir: str, nbytes: int, configs: list[tuple[int, int]],
-                  method: str = "auto") -> StorageLimit:
+                  method: str = "auto", cold_method: str | None = None) -> StorageLimit:
     """Sequential write (with fsync) and cold read bandwidth of the filesystem holding
-    `where_dir`: the best of one-file and one-file-per-thread runs (see the module doc)."""
+    `where_dir`: the best of one-file and one-file-per-thread runs in either I/O mode (see the
+    module doc). `cold_method`: the run's way of making loads cold (pagecache.py); with
+    drop_caches every read run starts after one, as the cold loads do."""
     info = fs_info(where_dir)
     path = os.path.join(where_dir, PROBE_NAME)
     use_fio = method == "fio" or (method == "auto" and shutil.which("fio") is not None)
@@ -503,13 +517,13 @@ def probe_storage(where_dir: str, nbytes: int, configs: list[tuple[int, int]],
     try:
         if use_fio:
             try:
-                runs, notes = _probe_fio(path, nbytes, configs, info.is_tmpfs)
+                runs, notes = _probe_fio(path, nbytes, configs, info.is_tmpfs, cold_method)
             except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
                 notes = [f"fio failed ({type(e).__name__}: {e}); used the python probe"]
-                runs, more = _probe_python(path, nbytes, configs, info.is_tmpfs)
+                runs, more = _probe_python(path, nbytes, configs, info.is_tmpfs, cold_method)
                 notes += more
         else:
-            runs, notes = _probe_python(path, nbytes, configs, info.is_tmpfs)
+            runs, notes = _probe_python(path, nbytes, configs, info.is_tmpfs, cold_method)
         size = os.path.getsize(path) if os.path.exists(path) else 0
         pcr = _page_cache_read(path, size) if size else None
     finally:
@@ -602,12 +616,13 @@ def device_copy_bandwidth(nbytes: int, rounds: int = 5) -> float | None:
 
 
 def measure_limits(targets: dict[str, str], probe_bytes: int, probe_configs: list[tuple[int, int]],
-                   memcpy_bytes: int, probe_method: str = "auto", progress=None) -> Limits:
+                   memcpy_bytes: int, probe_method: str = "auto", progress=None,
+                   cold_method: str | None = None) -> Limits:
     storage: dict[str, StorageLimit] = {}
     for where, path in targets.items():
         if progress:
             progress(f"limits: storage probe of {where} ({path})")
-        storage[where] = probe_storage(path, probe_bytes, probe_configs, probe_method)
+        storage[where] = probe_storage(path, probe_bytes, probe_configs, probe_method, cold_method)
     if progress:
         progress("limits: memory copy")
     methods = memcpy_bandwidth(memcpy_bytes)

@@ -201,6 +201,15 @@ def storage_lines(results: list[Result], limits: Limits | None) -> list[str]:
     it ran in (fastdcp.io.write_mode / read_mode learn it from these runs); the limit of each mode
     the probe measured."""
     rows: list[str] = []
+    # Every fastdcp writer/reader of a case learns from the same history (fastdcp_planners' runs
+    # included), so the speed by mode comes from all of them.
+    by_case: dict[tuple, dict[str, list[float]]] = {}
+    for r in results:
+        modes = r.extra.get("io_mode") or []
+        if r.system.startswith("fastdcp") and len(modes) == len(r.seconds):
+            by_mode = by_case.setdefault(r.case_key(), {})
+            for mode, sec in zip(modes, r.seconds):
+                by_mode.setdefault(_mode_name(mode), []).append(r.bytes / sec / (1 << 30))
     for r in results:
         if r.system != "fastdcp" or r.scenario not in ("save", "load") or r.gibps is None:
             continue
@@ -208,10 +217,7 @@ def storage_lines(results: list[Result], limits: Limits | None) -> list[str]:
             continue
         case = "save (fsync)" if r.scenario == "save" else f"load, {r.config.get('cache')}"
         modes = r.extra.get("io_mode") or []
-        by_mode: dict[str, list[float]] = {}
-        if len(modes) == len(r.seconds):
-            for mode, sec in zip(modes, r.seconds):
-                by_mode.setdefault(_mode_name(mode), []).append(r.bytes / sec / (1 << 30))
+        by_mode = by_case.get(r.case_key(), {})
         last = modes[-1] if modes else "-"
         runs = ", ".join(f"{m} {statistics.median(v):.2f} ({len(v)})" for m, v in sorted(by_mode.items())) or "-"
         storage = limits.storage.get(r.where) if limits else None
@@ -224,8 +230,8 @@ def storage_lines(results: list[Result], limits: Limits | None) -> list[str]:
                     f"{_f(None if r.fraction_of_limit is None else 100 * r.fraction_of_limit, '{:.0f}%')} |")
     if not rows:
         return []
-    return ["per storage (fastdcp; GiB/s; mode = its last run's, with why; by mode: median (runs); "
-            "limit: best probe run per mode, warm loads: memory copy):",
+    return ["per storage (fastdcp; GiB/s; mode = its last run's, with why; by mode: median (runs) of every "
+            "fastdcp system's runs; limit: best probe run per mode, warm loads: memory copy):",
             "| storage | case | fastdcp | mode (last run) | fastdcp by mode | best peer | vs best peer | "
             "limit by mode | of best limit |",
             "|---|---|---|---|---|---|---|---|---|", *rows]

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         machine = collect_machine(facts_targets, extra={"fastdcp": fast})
         cold = choose_cold_method(cfg.cold_method)
         limits = measure_limits(targets.paths, cfg.probe_bytes, cfg.probe_configs, cfg.memcpy_bytes,
-                                cfg.probe_method, progress)
+                                cfg.probe_method, progress, cold)
         ctx = Context(cfg=cfg, systems=systems, targets=targets.paths, recorder=Recorder(),
                       progress=progress, cold_method=cold, notes=list(system_notes))
         _memory_note(cfg, ctx)

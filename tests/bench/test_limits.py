@@ -64,9 +64,9 @@ def test_multi_file_pair_writes_n_files_then_removes_them(tmp_path, monkeypatch)
     seen = []
     real_read = L._python_read
 
-    def spy(paths, nbytes, block, threads, direct):
+    def spy(paths, nbytes, block, threads, direct, cold=None):
         seen.append((list(paths), nbytes, threads, {p: os.path.getsize(p) for p in paths}))
-        return real_read(paths, nbytes, block, threads, direct)
+        return real_read(paths, nbytes, block, threads, direct, cold)
 
     monkeypatch.setattr(L, "_python_read", spy)
     path = str(tmp_path / L.PROBE_NAME)
@@ -163,7 +163,7 @@ def test_python_probe_tries_one_and_several_files_and_cleans_up(probe_dir):
 def _fake_pair(table, calls):
     """A probe pair returning bandwidths from `table[(block, files, direct)]` (default 1.0)."""
 
-    def pair(path, nbytes, block, threads, files, direct, source=None):
+    def pair(path, nbytes, block, threads, files, direct, source=None, cold=None):
         if source is None:  # the cached-block run, recorded in the notes only
             calls.append(("cached", block, threads, files, direct))
             w, r = 99.0, 99.0
@@ -257,7 +257,7 @@ def test_fio_command_one_file_per_job(rw):
     assert "filename" not in a and "offset_increment" not in a  # separate files, not one shared
     assert a["directory"] == "/d" and a["numjobs"] == "4" and a["size"] == str(16 * MiB)
     assert a["nrfiles"] == "1" and a["direct"] == "0" and "--group_reporting" in cmd
-    assert a["fallocate"] == "none"
+    assert a["fallocate"] == "none"  # buffered; O_DIRECT runs preallocate (posix), as fastdcp's writer does
     names = [os.path.join(a["directory"], a["filename_format"].replace("$jobnum", str(j))) for j in range(4)]
     assert names == probe_paths(path, 4)  # the files probe_storage removes
     assert (a.get("end_fsync"), a.get("invalidate")) == (("1", None) if rw == "write" else (None, "1"))
@@ -315,3 +315,16 @@ def test_real_fio_multi_file(tmp_path):
     assert not list(tmp_path.iterdir())
     assert "fio multi-file runs failed" not in lim.note and {r.files for r in lim.runs} >= {1, 2, 4}
     assert lim.write_gibps > 0 and lim.read_gibps > 0
+
+
+def test_cold_reads_follow_the_runs_cold_method(tmp_path, monkeypatch):
+    """With drop_caches (the cold loads' method when permitted) every read run starts after one,
+    so that the read limit is as cold as the loads it is compared with (a FUSE daemon's cache of
+    its backing files included); without it, no global drop."""
+    drops = []
+    monkeypatch.setattr(L, "drop_page_cache", lambda: drops.append(1) or True)
+    path = str(tmp_path / L.PROBE_NAME)
+    L._python_pair(path, 8 * MiB, 1 * MiB, 2, 2, direct=False, cold=L.COLD_DROP)
+    assert drops == [1]
+    L._python_pair(path, 8 * MiB, 1 * MiB, 2, 2, direct=False)
+    assert drops == [1] and not list(tmp_path.iterdir())
