@@ -166,6 +166,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 #endif
   m.def("on_memory_filesystem", &fastdcp::on_memory_filesystem, py::arg("path"),
         "True when path is on tmpfs/ramfs (O_DIRECT pointless there).");
+  m.def("page_cache_resident_fraction", &fastdcp::page_cache_resident_fraction, py::arg("path"),
+        py::arg("max_pages") = fastdcp::kResidencyPages, py::call_guard<py::gil_scoped_release>(),
+        "Fraction of path's pages in the page cache (mincore on a mapping; no page touched; at most "
+        "max_pages pages checked, in windows spread over the file): 1.0 for an empty file, -1.0 when "
+        "unknown; OSError (FileNotFoundError) when path cannot be stat'ed or opened.");
 
   py::class_<File, std::shared_ptr<File>>(m, "File")
     .def(py::init([](const std::string& path, const std::string& mode, bool direct) {
@@ -175,6 +180,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
          }),
          py::arg("path"), py::arg("mode"), py::arg("direct"),
          "Open a file ('r' or 'w' = create/truncate); direct=True tries O_DIRECT with buffered fallback.")
+    .def("reopen", &File::reopen, py::arg("direct"), py::call_guard<py::gil_scoped_release>(),
+         "The same open file (same inode, even if its path was unlinked or replaced) opened again "
+         "for reading; direct=True tries O_DIRECT with buffered fallback.")
     .def_property_readonly("path", &File::path)
     .def_property_readonly("direct", &File::direct)
     .def_property_readonly("closed", [](const File& f) { return !f.is_open(); })

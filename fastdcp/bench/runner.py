@@ -112,17 +112,20 @@ def _memory_note(cfg: BenchConfig, ctx: Context) -> None:
                  f"{', tmpfs checkpoints' if 'shm' in ctx.targets else ''}); {fmt_size(avail)} available")
 
 
-def _note_write_modes(ctx: Context, targets: dict[str, str]) -> None:
-    """Which write mode fastdcp learnt per target (fastdcp.io.write_mode), with both modes' GiB/s."""
+def _note_io_modes(ctx: Context, targets: dict[str, str]) -> None:
+    """Which write and cold-read mode fastdcp learnt per target (fastdcp.io.write_mode, read_mode),
+    with both modes' GiB/s (medians of the timed runs of this run)."""
+    from fastdcp.io.read_mode import chosen_read_modes
     from fastdcp.io.write_mode import chosen_write_modes
 
-    for directory, mode in chosen_write_modes().items():
-        where = next((w for w, root in targets.items() if directory.startswith(root)), directory)
-        speeds = ", ".join(f"{name} {rate:.2f} GiB/s" for name, rate in (("O_DIRECT", mode.direct_gibps),
-                                                                          ("buffered", mode.buffered_gibps))
-                           if rate is not None)
-        ctx.note(f"fastdcp write mode on {where}: {'O_DIRECT' if mode.direct else 'buffered'} ({mode.reason}"
-                 + (f"; saves of this run wrote {speeds}, medians" if speeds else "") + ")")
+    for op, chosen, runs in (("write", chosen_write_modes(), "saves"), ("cold-read", chosen_read_modes(), "cold loads")):
+        for directory, mode in chosen.items():
+            where = next((w for w, root in targets.items() if directory.startswith(root)), directory)
+            speeds = ", ".join(f"{name} {rate:.2f} GiB/s" for name, rate in (("O_DIRECT", mode.direct_gibps),
+                                                                              ("buffered", mode.buffered_gibps))
+                               if rate is not None)
+            ctx.note(f"fastdcp {op} mode on {where}: {'O_DIRECT' if mode.direct else 'buffered'} ({mode.reason}"
+                     + (f"; {runs} of this run: {speeds}, medians" if speeds else "") + ")")
 
 
 def _release(ctx: Context, group: str) -> None:
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.peers = [p.name for p in ctx.peers]
             _run(cfg, ctx)
             if uses_fastdcp and not standin:
-                _note_write_modes(ctx, targets.paths)
+                _note_io_modes(ctx, targets.paths)
         except VerificationError as e:
             _banner(["BENCHMARK FAILED: a loaded state dict is NOT bit-exact with what was saved", str(e)])
             return EXIT_VERIFY

@@ -20,22 +20,21 @@ separate probe measured 3-4% of a 1 GiB save here and could not tell modes withi
 Memory filesystems are buffered always; a filesystem that refuses O_DIRECT (the engine falls back
 per file) is recorded as buffered-only.
 
-The choice is kept per filesystem (``st_dev`` of the directory) for the life of the process;
+The choice is kept per filesystem (``st_dev`` of the directory) for the life of the process
+(:mod:`fastdcp.io.mode_history`, shared with the read side);
 :func:`chosen_write_modes` reports it, :func:`forget_write_modes` drops it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import statistics
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .. import _C
 from .engine import IoOptions
+from .mode_history import HistoryBook, ModeHistory
 
-__all__ = ["WriteMode", "WriteHistory", "write_mode_for", "record_write", "chosen_write_modes",
+__all__ = ["WriteMode", "write_mode_for", "record_write", "chosen_write_modes",
            "forget_write_modes", "MIN_TIMED_BYTES"]
 
 logger = logging.getLogger("fastdcp")
@@ -56,36 +55,16 @@ class WriteMode:
     buffered_gibps: float | None = None   # median of the timed buffered saves so far
 
 
-@dataclass
-class WriteHistory:
-    """The timed saves to one filesystem: GiB/s per mode."""
+_WRITE_REASONS = {"refused": "O_DIRECT refused", "first": "first save", "other": "trying buffered",
+                  "faster": "faster so far"}
 
-    direct: list[float] = field(default_factory=list)
-    buffered: list[float] = field(default_factory=list)
-    direct_refused: bool = False
-
-    def median(self, direct: bool) -> float | None:
-        rates = self.direct if direct else self.buffered
-        return statistics.median(rates) if rates else None
-
-    def next_mode(self) -> WriteMode:
-        d, b = self.median(True), self.median(False)
-        if self.direct_refused:
-            return WriteMode(False, "O_DIRECT refused", d, b)
-        if d is None:
-            return WriteMode(True, "first save", d, b)
-        if b is None:
-            return WriteMode(False, "trying buffered", d, b)
-        return WriteMode(d >= b, "faster so far", d, b)
+_book = HistoryBook()
 
 
-_lock = threading.Lock()
-_histories: dict[tuple[int, int], WriteHistory] = {}   # (pid, st_dev) -> timed saves
-_directory_of: dict[tuple[int, int], str] = {}          # (pid, st_dev) -> a directory on it
-
-
-def _key(directory: str) -> tuple[int, int]:
-    return os.getpid(), os.stat(directory).st_dev
+def _next_mode(history: ModeHistory) -> WriteMode:
+    """The mode of the next timed save, from the filesystem's history (O_DIRECT first)."""
+    direct, stage = history.next_direct(start_direct=True)
+    return WriteMode(direct, _WRITE_REASONS[stage], history.median(True), history.median(False))
 
 
 def write_mode_for(directory: str, options: IoOptions, planned_bytes: int) -> WriteMode:
@@ -96,11 +75,7 @@ def write_mode_for(directory: str, options: IoOptions, planned_bytes: int) -> Wr
         return WriteMode(direct=options.direct_io and not _C.on_memory_filesystem(directory), reason="asked")
     if _C.on_memory_filesystem(directory):
         return WriteMode(direct=False, reason="memory filesystem")
-    key = _key(directory)
-    with _lock:
-        history = _histories.setdefault(key, WriteHistory())
-        _directory_of.setdefault(key, directory)
-        mode = history.next_mode()
+    mode = _book.update(directory, _next_mode)
     if planned_bytes < MIN_TIMED_BYTES and mode.reason in ("first save", "trying buffered"):
         # too small to time: no try spent on it; O_DIRECT unless buffered has already been chosen
         return WriteMode(direct=True, reason="small save", direct_gibps=mode.direct_gibps,
@@ -114,28 +89,23 @@ def record_write(directory: str, mode: WriteMode, nbytes: int, seconds: float, d
     was large enough to time. ``direct_granted``: every file asked for O_DIRECT got it."""
     if mode.reason in ("asked", "memory filesystem") or nbytes < MIN_TIMED_BYTES or seconds <= 0:
         return
-    key = _key(directory)
-    with _lock:
-        history = _histories.setdefault(key, WriteHistory())
-        if mode.direct and not direct_granted:
-            history.direct_refused = True
-        else:
-            (history.direct if mode.direct else history.buffered).append(nbytes / seconds / (1 << 30))
-        chosen = history.next_mode()
+    gibps = nbytes / seconds / (1 << 30)
+
+    def add(history: ModeHistory) -> WriteMode:
+        history.add(mode.direct, gibps, direct_granted)
+        return _next_mode(history)
+
+    chosen = _book.update(directory, add)
     logger.debug("write mode for %s: %s wrote %.2f GiB/s; next: %s", directory,
-                 "O_DIRECT" if mode.direct else "buffered", nbytes / seconds / (1 << 30), chosen)
+                 "O_DIRECT" if mode.direct else "buffered", gibps, chosen)
 
 
 def chosen_write_modes() -> dict[str, WriteMode]:
     """What the next save to each filesystem written in this process would use, by a directory on
     it (introspection; sizes below MIN_TIMED_BYTES aside)."""
-    pid = os.getpid()
-    with _lock:
-        return {_directory_of[k]: h.next_mode() for k, h in _histories.items() if k[0] == pid and k in _directory_of}
+    return {directory: _next_mode(history) for directory, history in _book.items()}
 
 
 def forget_write_modes() -> None:
     """Drop every filesystem's history: the next saves learn again."""
-    with _lock:
-        _histories.clear()
-        _directory_of.clear()
+    _book.clear()

@@ -61,6 +61,7 @@ from ..io.checkpoint_files import (
 )
 from ..io.engine import IoOptions, env_flag, get_engine
 from ..io.gc import gc_paused
+from ..io.read_mode import ReadMode, read_mode_for, record_read
 from .header_pass import KnownBlobs, Window, parse_blob, read_windows, window_bytes
 from .metadata_cache import metadata_cache
 from .pieces import Placement, plan_placement
@@ -112,8 +113,13 @@ class FastFileSystemReader(FileSystemReader):
     """Drop-in replacement for :class:`torch.distributed.checkpoint.FileSystemReader`.
 
     fastdcp's own keyword arguments:
-        direct_io: read with O_DIRECT (default False: a warm page cache is far faster than any
-            disk; environment ``FASTDCP_DIRECT_IO``).
+        direct_io: read with O_DIRECT (True) or through the page cache (False); environment
+            ``FASTDCP_DIRECT_IO``. Left unset (None), chosen for each load (``fastdcp.io.read_mode``):
+            the page cache when at least half of the files' bytes are in it (a warm page cache is
+            far faster than any disk), for loads under 64 MiB and on memory filesystems; a cold
+            load learns from this process's own cold loads from that filesystem (the first
+            buffered, the second O_DIRECT, later ones the faster). ``last_read_mode`` says what
+            the last load used and why.
         io_threads, task_bytes: engine workers and the unit large reads are split into (default
             32 MiB: larger requests read cold files faster).
         memory_budget_bytes: the most staging memory held at once (default 512 MiB).
@@ -150,7 +156,9 @@ class FastFileSystemReader(FileSystemReader):
             for_reading=True,
         )
         self.last_stats: dict[str, int] = {}
-        self._direct = False
+        # How the last load read its files (fastdcp.io.read_mode): O_DIRECT or buffered, and why.
+        self.last_read_mode: ReadMode | None = None
+        self._direct = False  # the current load's mode (pinned files are opened before it is known)
         self.allow_unsafe_metadata = bool(allow_unsafe_metadata)
         env_verify = env_flag("FASTDCP_VERIFY_CHECKSUMS")
         self.verify_checksums = bool(verify_checksums if verify_checksums is not None else (env_verify or False))
@@ -166,6 +174,7 @@ class FastFileSystemReader(FileSystemReader):
         self._failed_global_read: Exception | None = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.last_read_mode = None  # set by the native reads, if this load has any
         stock_items: list[ReadItem] = []
         per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]] = defaultdict(list)
         storage_data = self.storage_data
@@ -305,12 +314,10 @@ class FastFileSystemReader(FileSystemReader):
         # Refuses paths leading out of the checkpoint (absolute, "..", symlinks), non-regular
         # files, and (before anything is allocated) byte ranges past the end of the file.
         pinned = self._pinned.pop(relative_path, None)
-        if pinned is not None and pinned[1] == self._direct:
-            file = pinned[0]
+        if pinned is not None:
+            file = pinned[0] if pinned[1] == self._direct else _in_mode(pinned[0], self._direct)
             path = os.path.join(str(self.path), relative_path)
         else:
-            if pinned is not None:
-                pinned[0].close()
             path = resolve_data_file(self.path, relative_path)
             file = _C.File(path, "r", self._direct)
         try:
@@ -325,7 +332,10 @@ class FastFileSystemReader(FileSystemReader):
     def _read_native(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]], planner: LoadPlanner) -> None:
         started = time.perf_counter()
         engine = get_engine(self.io_options)
-        self._direct = self.io_options.direct_for(str(self.path))
+        # With verify_checksums the mode is chosen after the checksum pass, which reads every item
+        # buffered and so leaves it in the page cache (read from there, not from the disk again).
+        mode = None if self.verify_checksums else self._choose_read_mode(per_file)
+        self._direct = mode.direct if mode is not None else self.io_options.direct_for(str(self.path))
         files: dict[str, _C.File] = {}
         # Blobs that are valid torch.save archives but not one plain strided tensor (quantized,
         # sparse, ...): stock's torch.load(weights_only=True) reads those items.
@@ -335,6 +345,12 @@ class FastFileSystemReader(FileSystemReader):
                 files[rel] = self._open(rel)
             if self.verify_checksums:
                 self._verify(engine, files, per_file)
+                mode = self._choose_read_mode(per_file)
+                if mode.direct != self._direct:
+                    self._direct = mode.direct
+                    for rel, file in files.items():
+                        files[rel] = _in_mode(file, mode.direct)
+            read_started = time.perf_counter()  # the read phase: first read to last placement
             windows = read_windows(engine, files, per_file, self._direct)
             placements: list[Placement] = []
             known = KnownBlobs(self._state_dict_metadata)
@@ -362,6 +378,11 @@ class FastFileSystemReader(FileSystemReader):
                     placements.append(plan_placement(item, info, blob, target, file, file_windows))
             plan_seconds = time.perf_counter() - started
             self.last_stats = run_placements(engine, placements, planner, self.io_options, self._direct)
+            read_seconds = time.perf_counter() - read_started
+            read_bytes = sum(len(w.data) for ws in windows.values() for w in ws) + int(self.last_stats["bytes_read"])
+            # O_DIRECT granted: every file kept it (a refusal falls back per file, at open or at
+            # the first read), as the writer judges its own files.
+            record_read(str(self.path), mode, read_bytes, read_seconds, all(f.direct for f in files.values()))
             self.last_stats["plan_seconds"] = plan_seconds
             self.last_stats["blobs_recognised"] = known.recognised  # by layout, without parsing
             logger.debug("read %d files of %s: %s", len(files), self.path, self.last_stats)
@@ -373,6 +394,19 @@ class FastFileSystemReader(FileSystemReader):
                 super().read_data(LoadPlan([item for item, _ in unparsed]), planner).wait()
             except BaseException as stock_error:  # CheckpointException is a BaseException
                 raise unparsed[0][1] from stock_error
+
+    def _choose_read_mode(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> ReadMode:
+        """The mode of this load (fastdcp.io.read_mode), from the files it reads and the bytes of
+        the stored blobs it needs (an upper bound when it reads parts of them)."""
+        directory = str(self.path)
+        planned = 0
+        for pairs in per_file.values():
+            planned += sum({info.offset: info.length for _, info in pairs}.values())
+        paths = [os.path.join(directory, rel) for rel in per_file]
+        mode = self.last_read_mode = read_mode_for(directory, self.io_options, paths, planned)
+        logger.debug("reading %d files (%d bytes) of %s %s (%s)", len(paths), planned, directory,
+                     "with O_DIRECT" if mode.direct else "buffered", mode.reason)
+        return mode
 
     def _verify(self, engine: _C.Engine, files: dict[str, _C.File],
                 per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> None:
@@ -388,6 +422,22 @@ class FastFileSystemReader(FileSystemReader):
         planner.load_bytes(item, io.BytesIO(data))
 
 
+
+
+def _in_mode(file: _C.File, direct: bool) -> _C.File:
+    """``file`` (open for reading) opened again with or without O_DIRECT, and closed. Through its own
+    descriptor, not its path: a pinned file stays the one the metadata named even when a
+    concurrent save has replaced or unlinked its path since. Without /proc (the reopen fails) the
+    file is kept as it is: the right bytes, in the other mode."""
+    try:
+        reopened = file.reopen(direct)
+    except OSError:
+        return file
+    try:
+        file.close()
+    except OSError:
+        pass  # read-only: nothing was written that a close could report lost
+    return reopened
 
 
 def _file_extents(storage_data: Any) -> Mapping[str, tuple[int, Any]]:
