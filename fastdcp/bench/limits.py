@@ -232,6 +232,19 @@ def _open_write(path: str, direct: bool) -> tuple[int, bool]:
     return fd, direct
 
 
+def _preallocate(fd: int, size: int) -> None:
+    """As fastdcp's writer does before O_DIRECT writes (``File.allocate``): allocate the file's
+    blocks, or where the filesystem cannot (FUSE: EBADF/EOPNOTSUPP) at least set its size, so that
+    no write extends the file (ext4 and xfs serialise O_DIRECT writes that do)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+
+
 def _buffers(block: int, threads: int, fill: bool) -> list[mmap.mmap]:
     return [_aligned_buffer(block) if fill else mmap.mmap(-1, block) for _ in range(threads)]
 
@@ -327,8 +340,8 @@ def _python_write(paths: list[str], nbytes: int, block: int, threads: int,
             fd, d = _open_write(p, direct)
             fds.append(fd)
             modes.append(d)
-            if d:  # as fastdcp's writer does: no O_DIRECT write extends the file (ext4 and xfs serialise those)
-                os.posix_fallocate(fd, 0, nbytes // len(paths))
+            if d:
+                _preallocate(fd, nbytes // len(paths))
         src = source.get(nbytes) if source is not None else None
         dt = _run_threads(fds, nbytes, _buffers(block, threads, fill=src is None), write=True, fsync=True,
                           source=src)
