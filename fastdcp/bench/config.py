@@ -51,6 +51,7 @@ class BenchConfig:
     dir: str | None = None                  # parent for the temp target dir (default ./bench_out)
     shm: bool = True                        # also benchmark /dev/shm when present
     storages: list[str] = field(default_factory=list)   # + mounted for the run: xfs, fuse (storages.py)
+    raw_io: bool = True                     # the probe's best configuration in the save/load loops (raw_io.py)
     scenarios: list[str] = field(default_factory=lambda: list(CPU_SCENARIOS))
     systems: list[str] = field(default_factory=lambda: list(SYSTEM_NAMES))
     peers: list[str] = field(default_factory=lambda: list(PEER_NAMES))   # run when importable
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", help="directory on the storage to test; a temp dir is made inside it "
                                  "and removed afterwards (default ./bench_out)")
     p.add_argument("--no-shm", action="store_true", help="do not benchmark /dev/shm as well")
+    p.add_argument("--no-raw-io", action="store_true",
+                   help="do not run the storage probe's best configuration (raw_io) inside the save and load "
+                        "loops (it measures the limit at the same time as the systems)")
     p.add_argument("--storages", type=_csv,
                    help=f"also mount and benchmark these storages: comma list from {','.join(MOUNTED_STORAGES)} "
                         f"(xfs: a loop-mounted image in the --dir parent; fuse: a bindfs passthrough there; "
@@ -259,6 +263,7 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
     if a.small_large_size is not None:
         c.small_large_bytes = a.small_large_size
     c.floor = not a.no_floor
+    c.raw_io = not a.no_raw_io
     c.fresh_planners = a.fresh_planners
     # Lists of names given on the command line: (attribute, allowed names), one check.
     for name, allowed in (("async_modes", ASYNC_MODES), ("async_variants", ASYNC_VARIANT_NAMES),

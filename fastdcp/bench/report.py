@@ -210,6 +210,7 @@ def storage_lines(results: list[Result], limits: Limits | None) -> list[str]:
             by_mode = by_case.setdefault(r.case_key(), {})
             for mode, sec in zip(modes, r.seconds):
                 by_mode.setdefault(_mode_name(mode), []).append(r.bytes / sec / (1 << 30))
+    raw = {r.case_key(): r for r in results if r.system == "raw_io" and r.gibps}
     for r in results:
         if r.system != "fastdcp" or r.scenario not in ("save", "load") or r.gibps is None:
             continue
@@ -225,16 +226,19 @@ def storage_lines(results: list[Result], limits: Limits | None) -> list[str]:
             storage.read_by_mode if storage and r.config.get("cache") == "cold" else {})
         limit_modes = " / ".join(f"{m} {v:.2f}" for m, v in sorted(per_mode.items())) or (r.limit or "-")
         peer = f"{r.best_peer} {r.best_peer_gibps:.2f}" if r.best_peer else "-"
+        same_loop = raw.get(r.case_key())
         rows.append(f"| {r.where} | {case} | **{r.gibps:.2f}** | {last} | {runs} | {peer} | "
                     f"{_f(r.ratio_vs_best_peer, '{:.2f}x')} | {limit_modes} | "
-                    f"{_f(None if r.fraction_of_limit is None else 100 * r.fraction_of_limit, '{:.0f}%')} |")
+                    f"{_f(None if r.fraction_of_limit is None else 100 * r.fraction_of_limit, '{:.0f}%')} | "
+                    + (f"{same_loop.gibps:.2f} | {100 * r.gibps / same_loop.gibps:.0f}% |" if same_loop else "- | - |"))
     if not rows:
         return []
     return ["per storage (fastdcp; GiB/s; mode = its last run's, with why; by mode: median (runs) of every "
-            "fastdcp system's runs; limit: best probe run per mode, warm loads: memory copy):",
+            "fastdcp system's runs; limit: best probe run per mode, warm loads: memory copy; raw_io: the probe's best run again, inside "
+            "the same interleaved loop):",
             "| storage | case | fastdcp | mode (last run) | fastdcp by mode | best peer | vs best peer | "
-            "limit by mode | of best limit |",
-            "|---|---|---|---|---|---|---|---|---|", *rows]
+            "limit by mode | of best limit | raw_io, same loop | of raw_io |",
+            "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _with_phase(r: Result, phase: str) -> tuple:

@@ -30,6 +30,7 @@ from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
 from .training_loop import run_train_loop
 from .box_copy import run_box_copy
+from .raw_io import RAW_IO
 from .storages import MountedStorage, StorageUnavailable, image_bytes_for, mount_storage
 from .state import EXIT_VERIFY, VerificationError
 from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         limits = measure_limits(targets.paths, cfg.probe_bytes, cfg.probe_configs, cfg.memcpy_bytes,
                                 cfg.probe_method, progress, cold)
         ctx = Context(cfg=cfg, systems=systems, targets=targets.paths, recorder=Recorder(),
-                      progress=progress, cold_method=cold, notes=list(system_notes))
+                      progress=progress, cold_method=cold, notes=list(system_notes), limits=limits)
         _memory_note(cfg, ctx)
         for line in targets.describe():
             ctx.note(line)
@@ -216,13 +217,16 @@ def main(argv: list[str] | None = None) -> int:
                 progress(f"peers {','.join(p.name for p in peers)}: untimed warm-up saves")
                 ctx.peers = prepare_peers(peers, targets.paths["dir"], ctx.note)
             cfg.peers = [p.name for p in ctx.peers]
-            _run(cfg, ctx)
+            try:
+                _run(cfg, ctx)
+            finally:
+                ctx.close_raw_io()
             if uses_fastdcp and not standin:
                 _note_io_modes(ctx, targets.paths)
         except VerificationError as e:
             _banner(["BENCHMARK FAILED: a loaded state dict is NOT bit-exact with what was saved", str(e)])
             return EXIT_VERIFY
-        order = [*cfg.systems, *cfg.peers, *BASELINE_SYSTEMS]
+        order = [*cfg.systems, *cfg.peers, RAW_IO, *BASELINE_SYSTEMS]
         results = sort_for_report(finalize(ctx.recorder.results, limits), order)
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
         print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",

@@ -30,6 +30,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from .config import BenchConfig, fmt_size
 from .floor import FLOOR, FLOOR_PLANNERS, NullStorageReader, NullStorageWriter
+from .limits import Limits
+from .raw_io import RAW_IO, RawIo
 from .pagecache import COLD_DROP, dir_bytes, fs_info, make_cold, same_device, warm_files
 from .peers import Peer
 from .process_group import OneRankGroup
@@ -66,8 +68,25 @@ class Context:
     cold_method: str | None
     notes: list[str] = field(default_factory=list)
     peers: list[Peer] = field(default_factory=list)   # peers.py: run in save (and load)
+    limits: Limits | None = None                      # the storage probes, for raw_io
     _main: tuple[StateSpec, dict, dict] | None = None
     _planners: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    _raw_io: dict[str, RawIo] = field(default_factory=dict)
+
+    def raw_io(self, where: str) -> RawIo | None:
+        """The probe's best configuration of `where`, run in the save and load loops (raw_io.py);
+        None without a probe of it or with --no-raw-io."""
+        limit = self.limits.storage.get(where) if self.limits else None
+        if not self.cfg.raw_io or limit is None or limit.write_best is None or limit.read_best is None:
+            return None
+        if where not in self._raw_io:
+            self._raw_io[where] = RawIo(limit, self.main_state()[0].tensor_bytes, self.cold_method)
+        return self._raw_io[where]
+
+    def close_raw_io(self) -> None:
+        for raw in self._raw_io.values():
+            raw.close()
+        self._raw_io.clear()
 
     def planner(self, system: System, kind: str, scope: str) -> Any:
         """The `kind` ("save" | "load") planner `system` uses in `scope` (a scenario/target):
@@ -314,6 +333,13 @@ def run_save(ctx: Context, wheres: list[str]) -> None:
                     finish_system(where, system, path)
                 else:
                     _drop_checkpoint(path)
+            raw = ctx.raw_io(where)
+            if raw is not None:
+                os.sync()
+                dt = raw.write(ctx.ckpt_dir(where, "ckpt", RAW_IO))
+                ctx.recorder.add("save", where, RAW_IO, {"fsync": True}, nbytes, dt, save_limit(where, tmpfs),
+                                 raw.description)
+                _log(ctx, "save", where, RAW_IO, "fsync", rep, dt, nbytes)
             for peer in ctx.peers:
                 path = ctx.ckpt_dir(where, "ckpt", peer.name)
                 dt = timed_peer_save(peer, src, path)
@@ -352,7 +378,17 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
                 ctx.progress(f"writing {path} for loads ({peer.name})")
                 peer.save(src, path)
             primers[peer.name] = _peer_primer(ctx, peer, where)
+        raw = ctx.raw_io(where) if "cold" in caches and not tmpfs else None
+        raw_dir = ctx.ckpt_dir(where, "ckpt", RAW_IO)
+        if raw is not None:
+            raw.prepare_read(raw_dir)
         for rep in range(ctx.cfg.repeats):
+            if raw is not None:
+                dt = raw.read(raw_dir)
+                ctx.recorder.add("load", where, RAW_IO, {"cache": "cold", "ckpt_writer": RAW_IO,
+                                                        "cold_method": ctx.cold_method},
+                                 nbytes, dt, load_limit(where, tmpfs, "cold"), raw.description)
+                _log(ctx, "load", where, RAW_IO, "cold", rep, dt, nbytes)
             for system, writer in runs:
                 path = ctx.ckpt_dir(where, "ckpt", writer.name)
                 for cache in caches:
@@ -386,6 +422,7 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
                     ctx.recorder.add("load", where, peer.name, cfg, nbytes, dt,
                                      load_limit(where, tmpfs, cache), peer.description)
                     _log(ctx, "load", where, peer.name, cache, rep, dt, nbytes)
+        shutil.rmtree(raw_dir, ignore_errors=True)
 
 
 def run_label(i: int) -> str:

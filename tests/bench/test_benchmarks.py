@@ -91,6 +91,9 @@ def test_harness_runs_and_reports_both_systems_and_limits(tmp_path):
         if r["system"] in BASELINE_SYSTEMS:  # DCP's floor: no storage, hence no ratio and no limit
             assert r["scenario"] == "small" and r["ratio_vs_stock"] is None
             continue
+        if r["system"] == "raw_io":  # the probe's best configuration inside the save/load loops
+            assert r["scenario"] in ("save", "load") and r["gibps"] > 0
+            continue
         assert r["system"] in SYSTEM_NAMES
         assert r["gibps"] > 0 and r["ratio_vs_stock"] > 0
         assert r["fraction_of_limit"] is not None and r["fraction_of_limit"] > 0

@@ -130,3 +130,42 @@ def test_bench_saves_and_loads_on_mounted_storages(tmp_path):
     assert "storage xfs: xfs on /dev/loop" in proc.stdout
     assert str(tmp_path) not in _mounts(), "a storage was left mounted"
     assert not list(tmp_path.glob("fastdcp_bench_*")), "temp directories were not removed"
+
+
+@pytest.mark.parametrize("name", sorted(MOUNTED_STORAGES))
+def test_checkpoints_cross_between_fastdcp_and_stock_on_the_mounted_storage(tmp_path, name):
+    """On each mounted storage, in each I/O mode: fastdcp's checkpoint loads with stock DCP and
+    stock's with fastdcp, bit-exact (the compatibility promise, on every storage we benchmark)."""
+    _need(name)
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    import fastdcp
+
+    state = {"w": torch.randn(1 << 20), "b": torch.arange(4096, dtype=torch.bfloat16), "step": 7,
+             "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+
+    def fresh():
+        return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+
+    def same(loaded):
+        return all(torch.equal(loaded[k], v) if isinstance(v, torch.Tensor) else loaded[k] == v
+                   for k, v in state.items())
+
+    storage = mount_storage(name, str(tmp_path), 4 * GIB)
+    try:
+        for direct in (True, False, None):
+            root = os.path.join(storage.path, f"direct_{direct}")
+            dcp.save(state, storage_writer=fastdcp.FastFileSystemWriter(os.path.join(root, "fast"), direct_io=direct),
+                     no_dist=True)
+            out = fresh()
+            dcp.load(out, storage_reader=FileSystemReader(os.path.join(root, "fast")), no_dist=True)
+            assert same(out), (name, direct, "stock reading fastdcp")
+            dcp.save(state, storage_writer=FileSystemWriter(os.path.join(root, "stock")), no_dist=True)
+            out = fresh()
+            dcp.load(out, storage_reader=fastdcp.FastFileSystemReader(os.path.join(root, "stock"), direct_io=direct),
+                     no_dist=True)
+            assert same(out), (name, direct, "fastdcp reading stock")
+    finally:
+        assert storage.close() == []
