@@ -25,11 +25,13 @@ RAW_IO = "raw_io"
 class RawIo:
     """The best write and cold-read configurations of one storage's probe, on ``nbytes``."""
 
-    def __init__(self, limit: StorageLimit, nbytes: int, cold_method: str | None) -> None:
+    def __init__(self, limit: StorageLimit, nbytes: int, cold_method: str | None, source: WriteSource) -> None:
+        """`source`: the state-sized buffer written from, one for every storage of the run (each
+        its own held three 4 GiB buffers at once in a 4 GiB run and the kernel killed it)."""
         self.limit = limit
         self.nbytes = nbytes
         self.cold_method = cold_method
-        self._source = WriteSource()
+        self._source = source
 
     def _describe(self, op: str) -> str:
         run = self.limit.write_best if op == "write" else self.limit.read_best
@@ -70,6 +72,3 @@ class RawIo:
         paths = probe_paths(os.path.join(directory, "raw.bin"), run.files)
         gibps, _ = _python_read(paths, size, run.block, run.threads, run.direct, self.cold_method)
         return size / gibps / (1 << 30) * (self.nbytes / size)
-
-    def close(self) -> None:
-        self._source.close()

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from .config import BenchConfig, fmt_size
 from .floor import FLOOR, FLOOR_PLANNERS, NullStorageReader, NullStorageWriter
-from .limits import Limits
+from .limits import Limits, WriteSource
 from .raw_io import RAW_IO, RawIo
 from .pagecache import COLD_DROP, dir_bytes, fs_info, make_cold, same_device, warm_files
 from .peers import Peer
@@ -72,6 +72,7 @@ class Context:
     _main: tuple[StateSpec, dict, dict] | None = None
     _planners: dict[tuple[str, str, str], Any] = field(default_factory=dict)
     _raw_io: dict[str, RawIo] = field(default_factory=dict)
+    _raw_source: WriteSource = field(default_factory=WriteSource)   # shared by every RawIo
 
     def raw_io(self, where: str) -> RawIo | None:
         """The probe's best configuration of `where`, run in the save and load loops (raw_io.py);
@@ -80,13 +81,12 @@ class Context:
         if not self.cfg.raw_io or limit is None or limit.write_best is None or limit.read_best is None:
             return None
         if where not in self._raw_io:
-            self._raw_io[where] = RawIo(limit, self.main_state()[0].tensor_bytes, self.cold_method)
+            self._raw_io[where] = RawIo(limit, self.main_state()[0].tensor_bytes, self.cold_method, self._raw_source)
         return self._raw_io[where]
 
     def close_raw_io(self) -> None:
-        for raw in self._raw_io.values():
-            raw.close()
         self._raw_io.clear()
+        self._raw_source.close()
 
     def planner(self, system: System, kind: str, scope: str) -> Any:
         """The `kind` ("save" | "load") planner `system` uses in `scope` (a scenario/target):
