@@ -71,6 +71,15 @@ class HistoryBook:
                 return change(history)
             return ModeHistory(list(history.direct), list(history.buffered), history.direct_refused)
 
+    def record(self, directory: str, direct: bool, gibps: float, direct_granted: bool, next_mode):
+        """Add one timed run to ``directory``'s filesystem; returns ``next_mode(history)`` after it."""
+
+        def add(history: ModeHistory):
+            history.add(direct, gibps, direct_granted)
+            return next_mode(history)
+
+        return self.update(directory, add)
+
     def items(self) -> Iterator[tuple[str, ModeHistory]]:
         """(a directory on it, a copy of its history) for every filesystem of this process."""
         pid = os.getpid()

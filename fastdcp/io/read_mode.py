@@ -153,12 +153,7 @@ def record_read(directory: str, mode: ReadMode, nbytes: int, seconds: float, dir
     if mode.reason not in _LEARNT or nbytes < MIN_TIMED_BYTES or seconds <= 0:
         return
     gibps = nbytes / seconds / (1 << 30)
-
-    def add(history: ModeHistory) -> ReadMode:
-        history.add(mode.direct, gibps, direct_granted)
-        return _next_mode(history)
-
-    chosen = _book.update(directory, add)
+    chosen = _book.record(directory, mode.direct, gibps, direct_granted, _next_mode)
     logger.debug("read mode for %s: %s read %.2f GiB/s cold; next cold load: %s", directory,
                  "O_DIRECT" if mode.direct else "buffered", gibps, chosen)
 

@@ -90,12 +90,7 @@ def record_write(directory: str, mode: WriteMode, nbytes: int, seconds: float, d
     if mode.reason in ("asked", "memory filesystem") or nbytes < MIN_TIMED_BYTES or seconds <= 0:
         return
     gibps = nbytes / seconds / (1 << 30)
-
-    def add(history: ModeHistory) -> WriteMode:
-        history.add(mode.direct, gibps, direct_granted)
-        return _next_mode(history)
-
-    chosen = _book.update(directory, add)
+    chosen = _book.record(directory, mode.direct, gibps, direct_granted, _next_mode)
     logger.debug("write mode for %s: %s wrote %.2f GiB/s; next: %s", directory,
                  "O_DIRECT" if mode.direct else "buffered", gibps, chosen)
 
