@@ -16,7 +16,18 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["ModeHistory", "HistoryBook"]
+__all__ = ["IoMode", "ModeHistory", "HistoryBook"]
+
+
+@dataclass(frozen=True)
+class IoMode:
+    """The I/O mode of one save or load and why (the reasons are the write and read modules'), with
+    the medians of the timed runs of each mode so far on its filesystem."""
+
+    direct: bool
+    reason: str
+    direct_gibps: float | None = None     # median of the timed O_DIRECT runs so far
+    buffered_gibps: float | None = None   # median of the timed buffered runs so far
 
 
 @dataclass
@@ -50,6 +61,11 @@ class ModeHistory:
         if other is None:
             return not start_direct, "other"
         return (start_direct if start >= other else not start_direct), "faster"
+
+    def next_mode(self, start_direct: bool, reasons: dict[str, str]) -> IoMode:
+        """:meth:`next_direct` as an :class:`IoMode`, its stage named by ``reasons``."""
+        direct, stage = self.next_direct(start_direct)
+        return IoMode(direct, reasons[stage], self.median(True), self.median(False))
 
 
 class HistoryBook:

@@ -46,11 +46,10 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 from .. import _C
 from .engine import IoOptions
-from .mode_history import HistoryBook, ModeHistory
+from .mode_history import HistoryBook, IoMode, ModeHistory
 from .write_mode import MIN_TIMED_BYTES
 
 __all__ = ["ReadMode", "read_mode_for", "record_read", "chosen_read_modes", "forget_read_modes",
@@ -72,17 +71,11 @@ _WARM_SHARE = 0.5
 _LEARNT = ("first cold load", "trying O_DIRECT", "faster so far")
 
 
-@dataclass(frozen=True)
-class ReadMode:
-    """The read mode of one load and why: ``"asked"`` (``direct_io=`` or ``FASTDCP_DIRECT_IO``),
-    ``"memory filesystem"``, ``"in page cache"``, ``"page cache unknown"``, ``"small load"``,
-    ``"first cold load"``, ``"trying O_DIRECT"``, ``"faster so far"`` or ``"O_DIRECT refused"``."""
-
-    direct: bool
-    reason: str
-    direct_gibps: float | None = None     # median of the timed cold O_DIRECT loads so far
-    buffered_gibps: float | None = None   # median of the timed cold buffered loads so far
-
+# One record for both sides (fastdcp.io.mode_history.IoMode). This side's reasons:
+# The read mode of one load and why: ``"asked"`` (``direct_io=`` or ``FASTDCP_DIRECT_IO``),
+#     ``"memory filesystem"``, ``"in page cache"``, ``"page cache unknown"``, ``"small load"``,
+#     ``"first cold load"``, ``"trying O_DIRECT"``, ``"faster so far"`` or ``"O_DIRECT refused"``.
+ReadMode = IoMode
 
 _READ_REASONS = {"refused": "O_DIRECT refused", "first": "first cold load", "other": "trying O_DIRECT",
                  "faster": "faster so far"}
@@ -91,9 +84,7 @@ _book = HistoryBook()
 
 
 def _next_mode(history: ModeHistory) -> ReadMode:
-    """The mode of the next timed cold load, from the filesystem's history (buffered first)."""
-    direct, stage = history.next_direct(start_direct=False)
-    return ReadMode(direct, _READ_REASONS[stage], history.median(True), history.median(False))
+    return history.next_mode(start_direct=False, reasons=_READ_REASONS)
 
 
 def page_cache_share(files: list[str]) -> tuple[float, float]:

@@ -28,11 +28,10 @@ The choice is kept per filesystem (``st_dev`` of the directory) for the life of 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from .. import _C
 from .engine import IoOptions
-from .mode_history import HistoryBook, ModeHistory
+from .mode_history import HistoryBook, IoMode, ModeHistory
 
 __all__ = ["WriteMode", "write_mode_for", "record_write", "chosen_write_modes",
            "forget_write_modes", "MIN_TIMED_BYTES"]
@@ -42,18 +41,12 @@ logger = logging.getLogger("fastdcp")
 MIN_TIMED_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
-class WriteMode:
-    """The write mode of one save and why: ``"asked"`` (``direct_io=`` or ``FASTDCP_DIRECT_IO``),
-    ``"memory filesystem"``, ``"first save"``, ``"trying buffered"``, ``"faster so far"``,
-    ``"O_DIRECT refused"``, or ``"small save"`` (below MIN_TIMED_BYTES: the mode chosen so far,
-    O_DIRECT before any choice)."""
-
-    direct: bool
-    reason: str
-    direct_gibps: float | None = None     # median of the timed O_DIRECT saves so far
-    buffered_gibps: float | None = None   # median of the timed buffered saves so far
-
+# One record for both sides (fastdcp.io.mode_history.IoMode). This side's reasons:
+# The write mode of one save and why: ``"asked"`` (``direct_io=`` or ``FASTDCP_DIRECT_IO``),
+#     ``"memory filesystem"``, ``"first save"``, ``"trying buffered"``, ``"faster so far"``,
+#     ``"O_DIRECT refused"``, or ``"small save"`` (below MIN_TIMED_BYTES: the mode chosen so far,
+#     O_DIRECT before any choice).
+WriteMode = IoMode
 
 _WRITE_REASONS = {"refused": "O_DIRECT refused", "first": "first save", "other": "trying buffered",
                   "faster": "faster so far"}
@@ -62,9 +55,7 @@ _book = HistoryBook()
 
 
 def _next_mode(history: ModeHistory) -> WriteMode:
-    """The mode of the next timed save, from the filesystem's history (O_DIRECT first)."""
-    direct, stage = history.next_direct(start_direct=True)
-    return WriteMode(direct, _WRITE_REASONS[stage], history.median(True), history.median(False))
+    return history.next_mode(start_direct=True, reasons=_WRITE_REASONS)
 
 
 def write_mode_for(directory: str, options: IoOptions, planned_bytes: int) -> WriteMode:
