@@ -7,6 +7,7 @@ in process mode pickles the writer into another process).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ _DEFAULT_WRITE_TASK_BYTES = 8 << 20
 # 8 MiB on the development disk (more readahead per request), warm reads are unaffected.
 _DEFAULT_READ_TASK_BYTES = 32 << 20
 _DEFAULT_READ_BUDGET = 512 << 20
+# O_DIRECT reads get no kernel readahead: the requests in flight are the device's whole queue.
+# Measured cold on the development VM's virtio disk (ext4, 1 GiB, 32 MiB requests, 4 interleaved
+# loads each): 4 threads 1.43 GiB/s, 8 threads 1.67, 16 threads 1.60; buffered 1.35 at any count.
+_DIRECT_READ_MIN_THREADS = 8
 
 
 def env_flag(name: str) -> bool | None:
@@ -144,6 +149,16 @@ class IoOptions:
         if self.io_threads_chosen or not _C.on_memory_filesystem(directory):
             return self.io_threads
         return max(1, min(self.io_threads, cpu_share()))
+
+    def read_with(self, direct: bool) -> "IoOptions":
+        """These options for one load's reads in the chosen mode: O_DIRECT reads with the default
+        thread count keep at least :data:`_DIRECT_READ_MIN_THREADS` requests in flight (without
+        readahead, the requests in flight are the device's queue depth; the workers only wait on
+        I/O, so a small host needs no more cores for them). Buffered reads, and an explicit
+        ``io_threads``, keep ``io_threads``."""
+        if not direct or self.io_threads_chosen or self.io_threads >= _DIRECT_READ_MIN_THREADS:
+            return self
+        return dataclasses.replace(self, io_threads=_DIRECT_READ_MIN_THREADS)
 
 
 def local_world_size() -> int:

@@ -202,7 +202,7 @@ class LazyCheckpoint(Mapping):
         self._planner_data = self._metadata.planner_data if isinstance(self._metadata.planner_data, dict) else {}
         self._extents = file_extents(storage_data)
         self._direct = self.io_options.direct_for(self.path)
-        self._engine = get_engine(self.io_options)
+        self._engine = get_engine(self.io_options.read_with(self._direct))
         self._files: dict[str, _OpenFile] = {}
         self._blobs: dict[tuple[str, int], TensorBlobInfo | BlobFormatError] = {}  # parsed headers
         self._known = KnownBlobs(self._entries)

@@ -120,8 +120,10 @@ class FastFileSystemReader(FileSystemReader):
             load learns from this process's own cold loads from that filesystem (the first
             buffered, the second O_DIRECT, later ones the faster). ``last_read_mode`` says what
             the last load used and why.
-        io_threads, task_bytes: engine workers and the unit large reads are split into (default
-            32 MiB: larger requests read cold files faster).
+        io_threads, task_bytes: engine workers (default ``min(8, cpus)``, at least 4; left unset,
+            O_DIRECT loads use at least 8, since without readahead the requests in flight are the
+            device's queue) and the unit large reads are split into (default 32 MiB: larger
+            requests read cold files faster).
         memory_budget_bytes: the most staging memory held at once (default 512 MiB).
         allow_unsafe_metadata: unpickle ``.metadata`` with plain :mod:`pickle` (default False).
             By default only stock DCP metadata classes are built and a file naming anything
@@ -331,7 +333,6 @@ class FastFileSystemReader(FileSystemReader):
 
     def _read_native(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]], planner: LoadPlanner) -> None:
         started = time.perf_counter()
-        engine = get_engine(self.io_options)
         # With verify_checksums the mode is chosen after the checksum pass, which reads every item
         # buffered and so leaves it in the page cache (read from there, not from the disk again).
         mode = None if self.verify_checksums else self._choose_read_mode(per_file)
@@ -344,13 +345,14 @@ class FastFileSystemReader(FileSystemReader):
             for rel in per_file:
                 files[rel] = self._open(rel)
             if self.verify_checksums:
-                self._verify(engine, files, per_file)
+                self._verify(get_engine(self.io_options), files, per_file)  # buffered reads
                 mode = self._choose_read_mode(per_file)
                 if mode.direct != self._direct:
                     self._direct = mode.direct
                     for rel, file in files.items():
                         files[rel] = _in_mode(file, mode.direct)
             read_started = time.perf_counter()  # the read phase: first read to last placement
+            engine = get_engine(self.io_options.read_with(self._direct))
             windows = read_windows(engine, files, per_file, self._direct)
             placements: list[Placement] = []
             known = KnownBlobs(self._state_dict_metadata)

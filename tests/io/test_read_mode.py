@@ -357,3 +357,33 @@ def test_explicit_direct_io_on_a_reader_wins(disk_dir):
     mode = _load(disk_dir, expected, direct_io=False)
     assert (mode.direct, mode.reason) == (False, "asked")
     assert R.chosen_read_modes() == {}
+
+
+@pytest.mark.parametrize("direct, io_threads, expected", [
+    (True, None, max(8, IoOptions.resolve(direct_io=None, default_direct_io=False, io_threads=None,
+                                           task_bytes=None).io_threads)),
+    (False, None, IoOptions.resolve(direct_io=None, default_direct_io=False, io_threads=None, task_bytes=None).io_threads),
+    (True, 2, 2),  # asked for: kept
+])
+def test_o_direct_reads_keep_at_least_eight_requests_in_flight_unless_told(direct, io_threads, expected, monkeypatch):
+    monkeypatch.delenv("FASTDCP_IO_THREADS", raising=False)
+    options = IoOptions.resolve(direct_io=None, default_direct_io=False, io_threads=io_threads, task_bytes=None,
+                                for_reading=True)
+    assert options.read_with(direct).io_threads == expected
+    assert options.read_with(direct).task_bytes == options.task_bytes
+
+
+def test_an_o_direct_load_reads_through_the_engine_with_more_threads(disk_dir, monkeypatch):
+    import fastdcp.load.reader as reader_module
+    used: list[IoOptions] = []
+    real_get_engine = reader_module.get_engine
+    monkeypatch.setattr(reader_module, "get_engine", lambda options: used.append(options) or real_get_engine(options))
+    monkeypatch.delenv("FASTDCP_IO_THREADS", raising=False)
+    expected = _saved(disk_dir)
+    _evict_tree(disk_dir)
+    _load(disk_dir, expected, direct_io=True)
+    assert used and all(o.io_threads >= 8 for o in used)
+    used.clear()
+    _load(disk_dir, expected, direct_io=False)
+    assert used and all(o.io_threads == IoOptions.resolve(direct_io=False, default_direct_io=False, io_threads=None,
+                                                          task_bytes=None).io_threads for o in used)
