@@ -21,7 +21,9 @@
 
 #include <fcntl.h>
 
+#include <cstring>
 #include <memory>
+#include <tuple>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -164,6 +166,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     "(no box changes dtype) runs the byte-copy-only kernel; a converting box is then not copied. "
     "Does not synchronise; raises RuntimeError naming the CUDA error if the launch fails.");
 #endif
+  m.def(
+    "memory_view",
+    [](uint64_t source, size_t nbytes) {
+      if (source == 0 && nbytes > 0) { throw py::value_error("null address with a non-zero size"); }
+      return py::memoryview::from_memory(static_cast<const void*>(address(source)), static_cast<py::ssize_t>(nbytes));
+    },
+    py::arg("address"), py::arg("nbytes"),
+    "A read-only memoryview of nbytes at address (format 'B'), for handing host memory to a client "
+    "library that takes the buffer protocol. Precondition: the caller keeps the memory alive and "
+    "unchanged while the view is in use.");
+  m.def(
+    "scatter",
+    [](const py::buffer& source, const std::vector<std::tuple<size_t, uint64_t, size_t>>& runs) {
+      py::buffer_info info = source.request(false);
+      const auto* base = static_cast<const std::byte*>(info.ptr);
+      const size_t size = static_cast<size_t>(info.size * info.itemsize);
+      for (const auto& [offset, dest, nbytes] : runs) {
+        if (offset > size || nbytes > size - offset) {
+          throw py::value_error("scatter run [" + std::to_string(offset) + ", +" + std::to_string(nbytes) +
+                                ") exceeds the " + std::to_string(size) + "-byte source");
+        }
+        if (dest == 0 && nbytes > 0) { throw py::value_error("scatter to a null address"); }
+      }
+      py::gil_scoped_release release;
+      for (const auto& [offset, dest, nbytes] : runs) { std::memcpy(address(dest), base + offset, nbytes); }
+    },
+    py::arg("source"), py::arg("runs"),
+    "Copy byte runs of a (read-only) buffer to host addresses: runs are (source_offset, dest_address, "
+    "nbytes). Every run is checked against the source before anything is copied; the copy releases "
+    "the GIL. Precondition: each destination holds nbytes and stays alive for the call.");
   m.def("on_memory_filesystem", &fastdcp::on_memory_filesystem, py::arg("path"),
         "True when path is on tmpfs/ramfs (O_DIRECT pointless there).");
   m.def("page_cache_resident_fraction", &fastdcp::page_cache_resident_fraction, py::arg("path"),

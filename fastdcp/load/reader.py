@@ -188,7 +188,7 @@ class FastFileSystemReader(FileSystemReader):
                 else:
                     per_file[info.relative_path].append((item, info))
         if stock_items:
-            super().read_data(LoadPlan(stock_items), planner).wait()
+            self._read_with_stock(stock_items, planner)
         try:
             if per_file:
                 with gc_paused():
@@ -345,14 +345,14 @@ class FastFileSystemReader(FileSystemReader):
             for rel in per_file:
                 files[rel] = self._open(rel)
             if self.verify_checksums:
-                self._verify(get_engine(self.io_options), files, per_file)  # buffered reads
+                self._verify(self._read_engine(False), files, per_file)  # buffered reads
                 mode = self._choose_read_mode(per_file)
-                if mode.direct != self._direct:
+                if mode is not None and mode.direct != self._direct:
                     self._direct = mode.direct
                     for rel, file in files.items():
                         files[rel] = _in_mode(file, mode.direct)
             read_started = time.perf_counter()  # the read phase: first read to last placement
-            engine = get_engine(self.io_options.read_with(self._direct))
+            engine = self._read_engine(self._direct)
             windows = read_windows(engine, files, per_file, self._direct)
             placements: list[Placement] = []
             known = KnownBlobs(self._state_dict_metadata)
@@ -384,7 +384,8 @@ class FastFileSystemReader(FileSystemReader):
             read_bytes = sum(len(w.data) for ws in windows.values() for w in ws) + int(self.last_stats["bytes_read"])
             # O_DIRECT granted: every file kept it (a refusal falls back per file, at open or at
             # the first read), as the writer judges its own files.
-            record_read(str(self.path), mode, read_bytes, read_seconds, all(f.direct for f in files.values()))
+            if mode is not None:
+                record_read(str(self.path), mode, read_bytes, read_seconds, all(f.direct for f in files.values()))
             self.last_stats["plan_seconds"] = plan_seconds
             self.last_stats["blobs_recognised"] = known.recognised  # by layout, without parsing
             logger.debug("read %d files of %s: %s", len(files), self.path, self.last_stats)
@@ -393,11 +394,20 @@ class FastFileSystemReader(FileSystemReader):
                 f.close()
         if unparsed:
             try:
-                super().read_data(LoadPlan([item for item, _ in unparsed]), planner).wait()
+                self._read_with_stock([item for item, _ in unparsed], planner)
             except BaseException as stock_error:  # CheckpointException is a BaseException
                 raise unparsed[0][1] from stock_error
 
-    def _choose_read_mode(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> ReadMode:
+    def _read_engine(self, direct: bool) -> Any:
+        """What this load's reads go through: the native engine for the chosen mode."""
+        return get_engine(self.io_options.read_with(direct))
+
+    def _read_with_stock(self, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Items fastdcp does not read itself (stream transforms, blobs that are not one plain
+        tensor): stock's reader, which ``torch.load``s them."""
+        super().read_data(LoadPlan(items), planner).wait()
+
+    def _choose_read_mode(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> ReadMode | None:
         """The mode of this load (fastdcp.io.read_mode), from the files it reads and the bytes of
         the stored blobs it needs (an upper bound when it reads parts of them)."""
         directory = str(self.path)

@@ -116,6 +116,10 @@ class FastFileSystemWriter(FileSystemWriter):
     reused, so ``cache_staged_state_dict`` changes nothing here (accepted for compatibility).
     """
 
+    # GPU tensors are written through the pinned ring (fastdcp.save.device_ring); a writer whose
+    # sink is not the native engine copies them to the host first.
+    _writes_through_ring = True
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -363,9 +367,7 @@ class FastFileSystemWriter(FileSystemWriter):
             self._release_staging(planner)
 
     def _write_data_fast(self, storage_plan: _StoragePrefix, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        write_options = dataclasses.replace(
-            self.io_options, io_threads=self.io_options.write_threads_for(str(self.path))
-        )
+        write_options = dataclasses.replace(self.io_options, io_threads=self._write_threads())
         buckets = split_into_files(
             list(plan.items), self.single_file_per_rank, self.files_per_rank, write_options.io_threads
         )
@@ -373,7 +375,7 @@ class FastFileSystemWriter(FileSystemWriter):
         files: list[FilePlan] = []
         for i, bucket in enumerate(buckets):
             storage_key = f"{storage_plan.prefix}{i}{DEFAULT_SUFFIX}"
-            file_plan = FilePlan(path=str(self.fs.concat_path(self.path, storage_key)))
+            file_plan = FilePlan(path=self._data_file_path(storage_key))
             # Stock order: byte items first, then tensors.
             for item in bucket:
                 if item.type == WriteItemType.BYTE_IO:
@@ -393,6 +395,14 @@ class FastFileSystemWriter(FileSystemWriter):
         fut.set_result(pack_write_results(plan, [r for f in files for r in f.results]))
         return fut
 
+    def _write_threads(self) -> int:
+        """Engine threads for this save's writes (and so, with the automatic split, its files)."""
+        return self.io_options.write_threads_for(str(self.path))
+
+    def _data_file_path(self, storage_key: str) -> str:
+        """Where the data file ``storage_key`` is written."""
+        return str(self.fs.concat_path(self.path, storage_key))
+
     def _append_tensor_item(self, file_plan: FilePlan, item: WriteItem, storage_key: str, planner: SavePlanner) -> None:
         data = planner.resolve_data(item)
         if not isinstance(data, torch.Tensor):
@@ -405,7 +415,7 @@ class FastFileSystemWriter(FileSystemWriter):
             )
         if is_plain_dense(data):
             # Checksums are computed from host memory: with them on, device tensors come over first.
-            through_ring = not self.checksums and _stays_on_device(data)
+            through_ring = not self.checksums and self._writes_through_ring and _stays_on_device(data)
             tensor = tensor_for_writing(data, keep_on_device=through_ring)
             file_plan.append_tensor(item, storage_key, tensor, through_ring=through_ring)
         else:
@@ -481,6 +491,24 @@ class FastFileSystemWriter(FileSystemWriter):
         Unlike stock (which removes ``.metadata`` and then renames the temp file over it), the new
         metadata is renamed straight over the old one, so every instant has a valid ``.metadata``
         naming files that exist: the old checkpoint's until the rename, the new one's after it."""
+        new_files = self._complete_metadata(metadata, results)
+        directory = str(self.path)
+        rank_local = self._rank_local()
+        metadata_name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
+        token = self._save_token or self._claim_token()
+        try:
+            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files)
+        finally:
+            self._claimed_tokens = set()  # released by commit_metadata, committed or not
+        if committed.chunk_index is not None and isinstance(metadata, TableMetadata):
+            # DCP broadcasts this metadata to every rank: send where to read it, not all of it.
+            metadata.send_as(CommittedIndex(directory, *committed.chunk_index).reduced())
+        crash_point("cleanup")
+        remove_unreferenced(directory, committed, self.rank if rank_local else None)
+
+    def _complete_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> set[str]:
+        """Fill ``metadata`` with every rank's write results (storage data, storage meta, version);
+        returns the data files it names."""
         version = getattr(_stock_fs, "CURRENT_DCP_VERSION", None)
         if version is not None:
             metadata.version = version
@@ -499,17 +527,4 @@ class FastFileSystemWriter(FileSystemWriter):
             metadata.storage_data = storage_md
             new_files = {info.relative_path for info in storage_md.values()}
         metadata.storage_meta = self.storage_meta()
-
-        directory = str(self.path)
-        rank_local = self._rank_local()
-        metadata_name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
-        token = self._save_token or self._claim_token()
-        try:
-            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files)
-        finally:
-            self._claimed_tokens = set()  # released by commit_metadata, committed or not
-        if committed.chunk_index is not None and isinstance(metadata, TableMetadata):
-            # DCP broadcasts this metadata to every rank: send where to read it, not all of it.
-            metadata.send_as(CommittedIndex(directory, *committed.chunk_index).reduced())
-        crash_point("cleanup")
-        remove_unreferenced(directory, committed, self.rank if rank_local else None)
+        return new_files

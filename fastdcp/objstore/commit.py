@@ -1,0 +1,119 @@
+"""Committing a checkpoint in object storage: ``.metadata`` written last, by one PUT.
+
+S3 replaces an object atomically, so the PUT of the finished ``.metadata`` is the commit: before
+it, readers see the previous checkpoint (or none); after it, the new one, whose objects were all
+complete before it started. No rename (on S3 a copy + delete, not atomic), no temp object, no
+LIST. With ``create_only`` the PUT carries ``If-None-Match: *``: of two saves racing to create one
+checkpoint, exactly one commits and the other fails naming the object.
+
+After the commit, the objects that only the replaced ``.metadata`` named are deleted (found by
+reading that metadata before the PUT: one GET, no LIST). A load that started on the replaced
+checkpoint and is still reading then fails with an error naming the missing object instead of
+mixing two checkpoints (object names are save-unique, so it can never read the new save's bytes
+in the old one's place).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..format.metadata import parse_metadata
+from ..format.metadata_emit import write_metadata
+from ..io.gc import gc_paused
+from .client import ObjectExistsError, ObjectNotFoundError, S3Options, object_error, require_obstore
+from .location import ObjectLocation
+from .transfer import delete_objects
+
+__all__ = ["object_exists", "read_object", "commit_metadata", "metadata_bytes"]
+
+logger = logging.getLogger("fastdcp")
+
+
+def object_exists(store: Any, location: ObjectLocation, name: str, options: S3Options) -> bool:
+    """Whether object ``name`` exists (one HEAD)."""
+    obstore = require_obstore()
+    try:
+        obstore.head(store, location.key(name))
+    except Exception as error:  # noqa: BLE001 - translated below
+        translated = object_error(error, location.url(name), "checking", options)
+        if isinstance(translated, ObjectNotFoundError) and "bucket" not in str(translated):
+            return False
+        raise translated from error
+    return True
+
+
+def read_object(store: Any, location: ObjectLocation, name: str, options: S3Options) -> bytes:
+    """The whole object ``name`` (one GET); errors name it."""
+    obstore = require_obstore()
+    try:
+        return bytes(obstore.get(store, location.key(name)).bytes())
+    except Exception as error:  # noqa: BLE001 - translated, naming the object
+        raise object_error(error, location.url(name), "reading", options) from error
+
+
+def metadata_bytes(metadata: Metadata) -> bytes:
+    """``metadata`` as stock's ``.metadata`` pickle (streamed from the chunk table when the save was
+    planned in bulk)."""
+    table = getattr(metadata, "chunk_table", None)
+    out = io.BytesIO()
+    with gc_paused():
+        if table is not None and table.storage is not None:
+            write_metadata(out, table, planner_data=metadata.planner_data, storage_meta=metadata.storage_meta,
+                           version=metadata.version)
+        else:
+            pickle.dump(metadata, out)
+    return out.getvalue()
+
+
+def _referenced(store: Any, location: ObjectLocation, name: str, options: S3Options) -> set[str]:
+    """The objects the current ``name`` names; empty when there is none or it cannot be parsed
+    (then nothing is deleted: a damaged metadata's objects are left for a person to look at)."""
+    try:
+        data = read_object(store, location, name, options)
+    except ObjectNotFoundError:
+        return set()
+    try:
+        metadata = parse_metadata(data, location.url(name))
+    except Exception:  # noqa: BLE001 - see the docstring
+        logger.warning("%s could not be parsed: the objects of the checkpoint it committed are kept",
+                       location.url(name))
+        return set()
+    names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    names.discard(None)
+    return {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
+
+
+def commit_metadata(store: Any, location: ObjectLocation, name: str, metadata: Metadata, new_files: set[str],
+                    *, create_only: bool, options: S3Options) -> None:
+    """PUT ``metadata`` as object ``name`` (see the module docstring), then delete the objects only
+    the replaced metadata named."""
+    obstore = require_obstore()
+    body = metadata_bytes(metadata)
+    replaced = set() if create_only else _referenced(store, location, name, options)
+    url = location.url(name)
+    try:
+        obstore.put(store, location.key(name), body, mode="create" if create_only else "overwrite",
+                    use_multipart=False)
+    except Exception as error:  # noqa: BLE001 - translated, naming the object
+        translated = object_error(error, url, "committing", options)
+        if isinstance(translated, ObjectExistsError):
+            # Refused for certain (not a timeout that may have committed): nothing names this
+            # save's objects, so they go.
+            delete_objects(store, location, sorted(new_files), options)
+            translated = ObjectExistsError(
+                f"committing {url}: a checkpoint was committed there while this save ran, and overwrite=False "
+                "(this save's objects were deleted)"
+            )
+        raise translated from error
+    stale = sorted(replaced - set(new_files))
+    if stale:
+        failed = delete_objects(store, location, stale, options)
+        if failed:
+            logger.warning("committed %s, but %d objects of the checkpoint it replaced could not be deleted: %s",
+                           url, len(failed), ", ".join(failed[:3]))
+    logger.debug("committed %s (%d objects, %d replaced objects deleted)", url, len(new_files), len(stale))

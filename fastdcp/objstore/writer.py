@@ -1,0 +1,199 @@
+"""FastS3Writer: a DCP checkpoint written to object storage (``s3://bucket/prefix``).
+
+The same planning as :class:`fastdcp.FastFileSystemWriter` (files per rank, each planned as an
+image of segments by :mod:`fastdcp.save.file_image`; ``dcp.async_save`` staging), with the images
+uploaded by concurrent multipart uploads streamed from that memory (:mod:`.transfer`) instead of
+written by the native engine. The commit (:mod:`.commit`) is one PUT of the finished ``.metadata``
+after every rank's objects are complete: never a rename, a LIST or a COPY.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ..format.metadata import METADATA_NAME
+from ..io.gc import gc_paused
+from ..save.file_image import FilePlan
+from ..save.writer import FastFileSystemWriter
+from . import commit
+from .client import S3Options, store_for
+from .location import ObjectLocation, is_object_url
+from .transfer import delete_objects, transfer_pool, upload_image
+
+__all__ = ["FastS3Writer"]
+
+
+class FastS3Writer(FastFileSystemWriter):
+    """Drop-in for stock's ``FsspecWriter`` on ``s3://`` paths (and for ``FileSystemWriter``):
+    ``FastS3Writer("s3://bucket/run1/step100")``.
+
+    Takes stock's arguments (``single_file_per_rank``, ``thread_count`` as files per rank,
+    ``overwrite``, ...; ``sync_files`` is accepted and means nothing more here: an object is
+    durable once its upload completes). ``s3_options``: :class:`S3Options` (endpoint, region,
+    credentials, retries, part size, requests in flight); unset, everything comes from the usual
+    ``AWS_*`` environment. ``checksums``, ``async_staging``, ``staging_budget_bytes``: as
+    :class:`fastdcp.FastFileSystemWriter`. GPU tensors are copied to host memory before their upload.
+
+    Objects are named as fastdcp names local files (``__{rank}_{token}_{i}.distcp``, the token new
+    per save), so an overwrite never mixes two saves' objects, and ``.metadata`` is written last,
+    by one PUT (atomic on S3): a failed or interrupted save leaves the previous checkpoint loadable
+    and its own objects unreferenced (deleted on the failure path when the process lives on).
+    With ``overwrite=False`` the PUT is conditional (``If-None-Match: *``), so of two saves racing
+    to create the same checkpoint exactly one commits. The objects of the checkpoint a save
+    replaced are deleted after its commit.
+    """
+
+    _writes_through_ring = False
+
+    def __init__(
+        self,
+        path: str,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int | None = None,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
+        *,
+        s3_options: S3Options | None = None,
+        checksums: bool | None = None,
+        async_staging: bool | None = None,
+        staging_budget_bytes: int | None = None,
+        io_threads: int | None = None,
+    ) -> None:
+        self.location = ObjectLocation.parse(path)
+        super().__init__(
+            self.location.url(),
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+            _extensions=_extensions,
+            serialization_format=serialization_format,
+            checksums=checksums,
+            async_staging=async_staging,
+            staging_budget_bytes=staging_budget_bytes,
+            io_threads=io_threads,
+            direct_io=False,
+        )
+        self.path = self.location.url()  # not a pathlib.Path: that would fold "s3://" into "s3:/"
+        self.s3_options = s3_options if s3_options is not None else S3Options()
+        # This rank's uploads in the save in progress (deleted if the save fails).
+        self._uploaded: list[str] = []
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_object_url(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.location.url()
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.location = ObjectLocation.parse(checkpoint_id)
+        super().reset(None)
+        self.path = self.location.url()
+        self._uploaded = []
+
+    def _store(self) -> Any:
+        return store_for(self.location, self.s3_options)
+
+    # --- planning ---------------------------------------------------------------------------- #
+
+    def _claim_token(self) -> str:
+        # Object names are made unique by a random token (64 bits): no marker object, no LIST.
+        token = secrets.token_hex(8)
+        self._claimed_tokens.add(token)
+        return token
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not self.overwrite:
+            name = METADATA_NAME if getattr(self, "use_collectives", True) else f"__0{METADATA_NAME}"
+            if commit.object_exists(self._store(), self.location, name, self.s3_options):
+                raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {self.location.url(name)}")
+        if self._rank_local():
+            self._save_token = self._claim_token()
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_{self._save_token}_"))
+        return plan
+
+    # --- writing ----------------------------------------------------------------------------- #
+
+    def _write_threads(self) -> int:
+        return self.io_options.io_threads
+
+    def _data_file_path(self, storage_key: str) -> str:
+        return storage_key  # the object's name under the checkpoint's prefix
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._uploaded = []
+        try:
+            if self._stock_writes_everything():
+                raise NotImplementedError(
+                    f"{self.location.url()}: _extensions and serialization formats other than torch_save are not "
+                    "supported on object storage yet (use FsspecWriter for those)"
+                )
+            with gc_paused():
+                return self._write_data_fast(plan.storage_data, plan, planner)
+        except BaseException as error:
+            if error.__traceback__ is not None:
+                traceback.clear_frames(error.__traceback__.tb_next)
+            uploaded, self._uploaded = self._uploaded, []
+            if uploaded:
+                delete_objects(self._store(), self.location, uploaded, self.s3_options)
+            raise
+        finally:
+            self._release_staging(planner)
+
+    def _write_files(self, files: list[FilePlan], options: Any) -> None:
+        """Upload every file image concurrently: files share the process's request threads, each
+        with an equal share of the parts in flight."""
+        store = self._store()
+        s3 = self.s3_options
+        per_file = max(2, s3.concurrency // max(1, len(files)))
+        pool = transfer_pool(max(len(files), 1))
+        futures = []
+        for f in files:
+            self._uploaded.append(f.path)
+            futures.append(pool.submit(upload_image, store, self.location, f.path, f.segments, f.size, s3, per_file))
+        first_error: BaseException | None = None
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as error:  # noqa: BLE001 - the first is raised below
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    # --- commit ------------------------------------------------------------------------------ #
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit (coordinator, after every rank's uploads completed): ``.metadata`` in one PUT,
+        then the objects of the checkpoint it replaced are deleted."""
+        new_files = self._complete_metadata(metadata, results)
+        rank_local = self._rank_local()
+        name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
+        self._claimed_tokens = set()
+        commit.commit_metadata(self._store(), self.location, name, metadata, new_files,
+                               create_only=not self.overwrite, options=self.s3_options)
+
+    def storage_meta(self) -> Any:
+        meta = super().storage_meta()
+        if meta is not None:
+            meta.checkpoint_id = self.location.url()
+        return meta
