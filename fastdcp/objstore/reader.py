@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ..format.metadata import METADATA_NAME, CheckpointNotFoundError, parse_metadata
 from ..io.engine import get_engine
@@ -21,6 +21,7 @@ from ..load.reader import FastFileSystemReader
 from .client import ObjectNotFoundError, S3Options, store_for
 from .commit import read_object
 from .location import ObjectLocation, is_object_url
+from .streams import ObjectStreams
 from .transfer import ObjectFile, ObjectReadEngine
 
 __all__ = ["FastS3Reader"]
@@ -57,6 +58,8 @@ class FastS3Reader(FastFileSystemReader):
         self.path = self.location.url()
         self.s3_options = s3_options if s3_options is not None else S3Options()
         self._engine: ObjectReadEngine | None = None
+        # Items fastdcp leaves to stock code are read by it through object streams.
+        self.fs = ObjectStreams(lambda: (self._store(), self.location), self.s3_options)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -109,14 +112,6 @@ class FastS3Reader(FastFileSystemReader):
 
     def _unpin(self) -> None:
         self._pinned = {}
-
-    def _read_with_stock(self, items: list[ReadItem], planner: LoadPlanner) -> None:
-        names = ", ".join(sorted({item.storage_index.fqn for item in items})[:3])
-        raise NotImplementedError(
-            f"{self.location.url()}: {len(items)} items ({names}) are stored in a form only stock's torch.load "
-            "reader reads (stream transforms, or blobs that are not one plain tensor); read this checkpoint "
-            "with torch.distributed.checkpoint.FsspecReader"
-        )
 
     def read_data(self, plan: Any, planner: LoadPlanner) -> Any:
         engine = self._read_engine(False)

@@ -136,6 +136,11 @@ def _fetch(request: _Request) -> None:
     try:
         data = obstore.get_range(file.store, file.key, start=request.start, end=request.end)
     except Exception as error:  # noqa: BLE001 - translated, naming the object
+        if "416" in str(error) or "InvalidRange" in str(error):  # the range starts past the end
+            raise EOFError(
+                f"{file.path}: the object ends before byte {request.start}: it is shorter than the checkpoint's "
+                "metadata says (truncated or replaced)"
+            ) from None
         raise object_error(error, file.path, f"reading bytes {request.start}-{request.end} of", file.options) from error
     if len(data) != request.end - request.start:
         raise EOFError(

@@ -16,7 +16,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import FileSystemWriter as _StockFileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -29,6 +30,7 @@ from ..save.writer import FastFileSystemWriter
 from . import commit
 from .client import S3Options, store_for
 from .location import ObjectLocation, is_object_url
+from .streams import ObjectStreams
 from .transfer import delete_objects, transfer_pool, upload_image
 
 __all__ = ["FastS3Writer"]
@@ -95,6 +97,8 @@ class FastS3Writer(FastFileSystemWriter):
         self.s3_options = s3_options if s3_options is not None else S3Options()
         # This rank's uploads in the save in progress (deleted if the save fails).
         self._uploaded: list[str] = []
+        # Items fastdcp leaves to stock code are written by it through object streams.
+        self.fs = ObjectStreams(lambda: (self._store(), self.location), self.s3_options)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -144,10 +148,11 @@ class FastS3Writer(FastFileSystemWriter):
         self._uploaded = []
         try:
             if self._stock_writes_everything():
-                raise NotImplementedError(
-                    f"{self.location.url()}: _extensions and serialization formats other than torch_save are not "
-                    "supported on object storage yet (use FsspecWriter for those)"
-                )
+                # Stock's writer code, through object streams (each file one PUT when complete).
+                storage_plan = plan.storage_data
+                self._uploaded = [f"{storage_plan.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(plan.items))]
+                self.sync_files = False  # an object is durable once its PUT returns
+                return _StockFileSystemWriter.write_data(self, plan, planner)
             with gc_paused():
                 return self._write_data_fast(plan.storage_data, plan, planner)
         except BaseException as error:
