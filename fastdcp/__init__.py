@@ -64,6 +64,9 @@ if _C is not None:  # noqa: E402 - the public API, once the extension is there
     from .save.inflight import ConcurrentSaveError  # noqa: E402
     from .save.staging_pool import StagingPoolStats, release_staging, set_staging_pool_limit, staging_pool_stats  # noqa: E402
     from .save.writer import FastFileSystemWriter  # noqa: E402
+    from .objstore.client import ObjectAccessError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, S3Options  # noqa: E402
+    from .objstore.reader import FastS3Reader  # noqa: E402
+    from .objstore.writer import FastS3Writer  # noqa: E402
 
 # The library logs through this one logger and never prints: without a handler configured by the
 # application, nothing appears (not even warnings through logging's last-resort handler).
@@ -73,6 +76,13 @@ __version__ = "0.1.0"
 __all__ = [
     "FastFileSystemWriter",
     "FastFileSystemReader",
+    "FastS3Writer",
+    "FastS3Reader",
+    "S3Options",
+    "ObjectStoreError",
+    "ObjectNotFoundError",
+    "ObjectAccessError",
+    "ObjectExistsError",
     "FastSavePlanner",
     "FastLoadPlanner",
     "BlobFormatError",

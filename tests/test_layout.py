@@ -20,6 +20,7 @@ ALLOWED = {
     "load": {"format", "io", "compat"},
     "planners": {"format", "io", "compat"},
     "cli": {"format", "io", "load", "compat"},
+    "objstore": {"format", "io", "save", "load", "compat"},
 }
 TOP_LEVEL = {"fastdcp", "fastdcp.__main__", "fastdcp._C"}
 

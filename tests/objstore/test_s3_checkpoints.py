@@ -194,3 +194,22 @@ def test_stream_transforms_are_written_and_read_by_stock_code_through_object_str
     reader = FastS3Reader(url, C.xor_registry())
     dcp.load(dest, storage_reader=reader, no_dist=True)
     C.assert_same(dest, sd)
+
+
+def test_enable_routes_s3_checkpoint_ids_to_fastdcp_and_stock_reads_the_result(bucket, s3_env):
+    import fastdcp
+
+    url = f"s3://{bucket}/enabled"
+    sd = {"w": torch.randn(1000), "step": 3}
+    with fastdcp.enable():
+        from torch.distributed.checkpoint import _storage_utils
+
+        assert isinstance(_storage_utils._storage_setup(None, url, reader=False), FastS3Writer)
+        assert isinstance(_storage_utils._storage_setup(None, url, reader=True), FastS3Reader)
+        dcp.save(sd, checkpoint_id=url, no_dist=True)
+        dest = {"w": torch.zeros(1000), "step": 0}
+        dcp.load(dest, checkpoint_id=url, no_dist=True)
+        C.assert_same(dest, sd)
+    dest = {"w": torch.zeros(1000), "step": 0}
+    dcp.load(dest, storage_reader=_fsspec_reader(url, s3_env.endpoint), no_dist=True)
+    C.assert_same(dest, sd)
