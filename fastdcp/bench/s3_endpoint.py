@@ -1,0 +1,163 @@
+"""A real S3-protocol endpoint on this machine for the benchmark and the tests: moto's server
+(``python -m moto.server``, in-memory) on 127.0.0.1, behind :mod:`fastdcp.bench.s3_proxy`, which
+adds a one-way delay, counts requests by S3 operation and injects error responses on demand.
+
+Both run as processes of their own (as a user's store and network would be: never in the
+process under test), started by :class:`S3Endpoint` and stopped on every path."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+__all__ = ["S3Endpoint", "S3EndpointUnavailable", "client_env"]
+
+
+class S3EndpointUnavailable(RuntimeError):
+    """moto's server is not installed or did not start."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, process: subprocess.Popen, log: Path, what: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise S3EndpointUnavailable(f"{what} exited with {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise S3EndpointUnavailable(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
+
+
+def client_env(endpoint: str) -> dict[str, str]:
+    """The ``AWS_*`` environment a client of ``endpoint`` uses (moto accepts any key)."""
+    return {
+        "AWS_ACCESS_KEY_ID": "fastdcp-test",
+        "AWS_SECRET_ACCESS_KEY": "fastdcp-test-secret",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }
+
+
+class S3Endpoint:
+    """moto's server and the proxy in front of it. ``endpoint`` is the proxy's URL (what clients
+    use); ``delay_ms`` its one-way delay (a round trip costs twice that)."""
+
+    def __init__(self, delay_ms: float = 0.0, workdir: str | os.PathLike | None = None,
+                 server_env: dict[str, str] | None = None):
+        self.delay_ms = float(delay_ms)
+        # e.g. INITIAL_NO_AUTH_ACTION_COUNT=0: moto then checks credentials (unknown keys get 403)
+        self.server_env = dict(server_env or {})
+        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="fastdcp_s3_"))
+        self.server: subprocess.Popen | None = None
+        self.proxy: subprocess.Popen | None = None
+        self.server_port = 0
+        self.proxy_port = 0
+
+    # --- life cycle ---------------------------------------------------------------------------- #
+
+    def start(self) -> "S3Endpoint":
+        try:
+            import moto.server  # noqa: F401
+        except ImportError as error:
+            raise S3EndpointUnavailable("moto's server is not installed: pip install 'moto[server]'") from error
+        try:
+            self.server_port = _free_port()
+            log = self.workdir / "moto.log"
+            self.server = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.server_port)],
+                stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.server_env},
+            )
+            _wait_listening(self.server_port, self.server, log, "moto's server")
+            self.start_proxy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_proxy(self, port: int | None = None) -> None:
+        """(Re)start the proxy, on ``port`` or a free one."""
+        self.proxy_port = port or _free_port()
+        log = self.workdir / "proxy.log"
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "fastdcp.bench.s3_proxy", "--listen", f"127.0.0.1:{self.proxy_port}",
+             "--upstream", f"127.0.0.1:{self.server_port}", "--delay-ms", str(self.delay_ms)],
+            stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        _wait_listening(self.proxy_port, self.proxy, log, "the S3 proxy")
+
+    def kill_proxy(self) -> None:
+        """Cut the network: the proxy dies (SIGKILL) with its connections."""
+        if self.proxy is not None:
+            self.proxy.kill()
+            self.proxy.wait()
+            self.proxy = None
+
+    def stop(self) -> None:
+        for process in (self.proxy, self.server):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.proxy = self.server = None
+
+    def __enter__(self) -> "S3Endpoint":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- use ----------------------------------------------------------------------------------- #
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    @property
+    def server_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_port}"
+
+    def env(self) -> dict[str, str]:
+        return client_env(self.endpoint)
+
+    def create_bucket(self, name: str) -> None:
+        """Create a bucket on the server directly (moto takes unsigned requests)."""
+        request = urllib.request.Request(f"{self.server_endpoint}/{name}", method="PUT", data=b"")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
+
+    def _control(self, path: str, method: str = "GET") -> dict:
+        request = urllib.request.Request(f"{self.endpoint}/__proxy/{path}", method=method,
+                                         data=b"" if method == "POST" else None)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"{}")
+
+    def stats(self) -> dict[str, int]:
+        """Requests per S3 operation since the last :meth:`reset`."""
+        return dict(self._control("stats")["counts"])
+
+    def reset(self) -> None:
+        self._control("reset", "POST")
+
+    def fault(self, op: str = "ANY", count: int = 1, status: int = 503) -> None:
+        """Answer the next ``count`` requests of ``op`` with ``status`` instead of forwarding them."""
+        self._control(f"fault?op={op}&count={count}&status={status}", "POST")
