@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from .client import S3Options, object_error, require_obstore
-from .location import ObjectLocation
 
 __all__ = ["ObjectStreams", "READ_AHEAD"]
 

@@ -175,8 +175,6 @@ class ObjectReadEngine:
         self._run(runs)
 
     def read_runs(self, tables: list[tuple], direct: bool = False) -> None:
-        import torch
-
         runs = []
         for file, address, n in tables:
             if n == 0:

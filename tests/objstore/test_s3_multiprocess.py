@@ -4,7 +4,6 @@ one process, and fastdcp loads a checkpoint two ranks saved with stock's FsspecW
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed.checkpoint as dcp
