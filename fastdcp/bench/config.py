@@ -15,7 +15,7 @@ from .systems import ASYNC_VARIANT_NAMES, SYSTEM_NAMES, standin_requested
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "async_first", "train_loop",
-                 "concurrency", "convert", "plan_scale")
+                 "concurrency", "convert", "plan_scale", "s3")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async", "gpu_async_new_writer")
 # In no default list: the box copy alone (GPU kernel, or the CPU engine where there is no GPU).
 EXTRA_SCENARIOS = ("box_copy",)
@@ -84,6 +84,7 @@ class BenchConfig:
     train_wheres: list[str] = field(default_factory=lambda: ["dir"])
     plan_ranks: list[int] = field(default_factory=lambda: [256, 1024, 4096])   # plan_scale: simulated N
     plan_budget_s: float = 600.0            # plan_scale: most seconds to build every rank's load plan
+    s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
     probe_bytes: int = 1 * GiB
     probe_configs: list[tuple[int, int]] = field(
         default_factory=lambda: [(1 * MiB, 1), (1 * MiB, 4), (8 * MiB, 1), (8 * MiB, 4)])
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan_scale: seconds allowed for building every rank's local load plan with the "
                         "planner; above it (estimated from sample ranks) the others are built by a reference "
                         "(default 600)")
+    p.add_argument("--s3-delay-ms", type=float,
+                   help="s3: one-way delay the proxy adds in the scenario's second run (default 10: a 20 ms "
+                        "round trip)")
     p.add_argument("--reshard-size", type=parse_size,
                    help="state size for `reshard` (default --size; quick: --size/4 with 32 instead "
                         "of 300 norm vectors)")
@@ -305,6 +309,10 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if a.plan_budget < 0:
             parser.error("--plan-budget must be >= 0")
         c.plan_budget_s = a.plan_budget
+    if a.s3_delay_ms is not None:
+        if a.s3_delay_ms <= 0:
+            parser.error("--s3-delay-ms must be > 0")
+        c.s3_delay_ms = a.s3_delay_ms
     c.dir, c.shm = a.dir, not a.no_shm
     c.json_path, c.plot_path, c.checkpoint = a.json_path, a.plot_path, a.checkpoint
     c.probe_method, c.cold_method, c.keep = a.probe_method, a.cold_method, a.keep

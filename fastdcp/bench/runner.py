@@ -25,6 +25,7 @@ from .reshard import run_reshard
 from .results import Recorder, finalize
 from .concurrency import run_concurrency
 from .convert import run_convert
+from .object_storage import run_s3
 from .plan_scale import run_plan_scale
 from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
@@ -40,7 +41,8 @@ SHM = "/dev/shm"
 
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.
 SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
-                    "convert": run_convert, "plan_scale": run_plan_scale, "box_copy": run_box_copy}
+                    "convert": run_convert, "plan_scale": run_plan_scale, "box_copy": run_box_copy,
+                    "s3": run_s3}
 
 
 def _banner(lines: list[str]) -> None:
