@@ -38,6 +38,7 @@ from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_FASTDCP = 0, 2, 4  # EXIT_VERIFY (3): .state
 SHM = "/dev/shm"
+_NO_LOCAL_STORAGE = frozenset({"s3", "plan_scale", "box_copy"})
 
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.
 SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         fast = ({"standin": True} if standin else fastdcp_build_info()) if uses_fastdcp else None
         machine = collect_machine(facts_targets, extra={"fastdcp": fast})
         cold = choose_cold_method(cfg.cold_method)
-        limits = measure_limits(targets.paths, cfg.probe_bytes, cfg.probe_configs, cfg.memcpy_bytes,
+        # Scenarios that never touch the local storages need no probe of them (minutes at 1 GiB).
+        probed = {} if set(cfg.scenarios) <= _NO_LOCAL_STORAGE else targets.paths
+        limits = measure_limits(probed, cfg.probe_bytes, cfg.probe_configs, cfg.memcpy_bytes,
                                 cfg.probe_method, progress, cold)
         ctx = Context(cfg=cfg, systems=systems, targets=targets.paths, recorder=Recorder(),
                       progress=progress, cold_method=cold, notes=list(system_notes), limits=limits)

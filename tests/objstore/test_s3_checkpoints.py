@@ -223,3 +223,38 @@ def test_enable_routes_s3_checkpoint_ids_to_fastdcp_and_stock_reads_the_result(b
     dest = {"w": torch.zeros(1000), "step": 0}
     dcp.load(dest, storage_reader=_fsspec_reader(url, s3_env.endpoint), no_dist=True)
     C.assert_same(dest, sd)
+
+
+def test_two_saves_racing_to_create_one_checkpoint_with_overwrite_false_commit_once(bucket, s3):
+    import threading
+
+    url = f"s3://{bucket}/race"
+    states = [{"w": torch.full((1 << 20,), float(i)), "who": i} for i in range(2)]
+    barrier = threading.Barrier(2)
+    outcomes: list[tuple[int, BaseException | None]] = []
+
+    class _Writer(FastS3Writer):
+        def finish(self, metadata, results):  # both have planned and uploaded: commit together
+            barrier.wait(30)
+            return super().finish(metadata, results)
+
+    def save(i: int) -> None:
+        try:
+            dcp.save(states[i], storage_writer=_Writer(url, overwrite=False), no_dist=True)
+            outcomes.append((i, None))
+        except BaseException as error:  # noqa: BLE001 - CheckpointException is a BaseException
+            outcomes.append((i, error))
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    winners = [i for i, error in outcomes if error is None]
+    losers = [error for _, error in outcomes if error is not None]
+    assert len(winners) == 1 and len(losers) == 1, outcomes
+    assert "committed there while this save ran" in str(losers[0])
+    dest = {"w": torch.zeros(1 << 20), "who": -1}
+    dcp.load(dest, storage_reader=FastS3Reader(url), no_dist=True)
+    C.assert_same(dest, states[winners[0]])
+    assert len([k for k in keys(s3, bucket) if k.endswith(".distcp")]) == 1  # the loser's objects went
