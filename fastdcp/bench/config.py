@@ -85,6 +85,7 @@ class BenchConfig:
     plan_ranks: list[int] = field(default_factory=lambda: [256, 1024, 4096])   # plan_scale: simulated N
     plan_budget_s: float = 600.0            # plan_scale: most seconds to build every rank's load plan
     s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
+    s3_size: int = 1 * GiB                  # s3: state size (moto takes ~0.1 GiB/s: 1 GiB is ~25 min)
     probe_bytes: int = 1 * GiB
     probe_configs: list[tuple[int, int]] = field(
         default_factory=lambda: [(1 * MiB, 1), (1 * MiB, 4), (8 * MiB, 1), (8 * MiB, 4)])
@@ -181,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan_scale: seconds allowed for building every rank's local load plan with the "
                         "planner; above it (estimated from sample ranks) the others are built by a reference "
                         "(default 600)")
+    p.add_argument("--s3-size", type=parse_size,
+                   help="s3: state size (default the smaller of --size and 1GiB: the test server takes ~0.1 GiB/s)")
     p.add_argument("--s3-delay-ms", type=float,
                    help="s3: one-way delay the proxy adds in the scenario's second run (default 10: a 20 ms "
                         "round trip)")
@@ -226,6 +229,7 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
     if a.size is not None:
         c.size = a.size
     c.reshard_size = a.reshard_size if a.reshard_size else (c.size // 4 if a.quick else c.size)
+    c.s3_size = a.s3_size if a.s3_size else min(c.size, 1 * GiB)
     c.small_large_bytes = max(64 * KiB, min(64 * MiB, c.size // 16))
     c.probe_bytes = max(64 * MiB, min(c.probe_bytes, max(c.size, 256 * MiB)))
     c.memcpy_bytes = max(16 * MiB, min(c.memcpy_bytes, c.size))

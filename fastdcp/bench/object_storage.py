@@ -21,6 +21,8 @@ its previous repeat, as a run's checkpoints to one path do):
   whole, concurrently (``load``: on this server a whole-object GET is the fastest read; a ranged
   GET costs it a copy of the whole object).
 
+The state is the LLM-like one at ``--s3-size`` (default the smaller of ``--size`` and 1 GiB).
+
 Ops: ``save``; ``load`` (the whole state, into preallocated tensors); ``reshard`` (two gloo ranks
 load every 2-D matrix as DTensor ``Shard(1)``, each its column half; time = the slower rank).
 Every load is checked bit-exact. Each sample records the requests the proxy counted
@@ -46,7 +48,8 @@ import torch.distributed.checkpoint as dcp
 from .process_group import exit_spawned_rank, free_port
 from .results import GIB, Result
 from .s3_endpoint import S3Endpoint, S3EndpointUnavailable
-from .state import StateSpec, VerificationError, compare_tensor, scribble, verify_state
+from .state import (StateSpec, VerificationError, build_destination, build_state, compare_tensor, llm_like_spec,
+                    scribble, verify_state)
 
 __all__ = ["run_s3", "S3_SYSTEMS"]
 
@@ -230,7 +233,12 @@ def _stock_best(ctx: Any, where: str, op: str) -> None:
 
 
 def run_s3(ctx: Any, wheres: list[str]) -> None:
-    spec, src, dest = ctx.main_state()
+    if ctx.cfg.s3_size == ctx.cfg.size:
+        spec, src, dest = ctx.main_state()
+    else:
+        spec = llm_like_spec(ctx.cfg.s3_size)
+        ctx.progress(f"s3: building state: {spec.summary()}")
+        src, dest = build_state(spec), build_destination(spec)
     nbytes = spec.tensor_bytes
     workdir = tempfile.mkdtemp(prefix="fastdcp_bench_s3_")
     saved_env = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",

@@ -159,6 +159,10 @@ INTERNALS: tuple[Internal, ...] = (
              "stock's load planning steps, replayed for simulated ranks (plan_scale)", required=False),
     Internal(_dcp("resharding"), "_shards_get_overlap_region_wrt_saved_tensor", "bench/simulated_ranks",
              "stock's load planning steps, replayed for simulated ranks (plan_scale)", required=False),
+    Internal(_dcp("_fsspec_filesystem"), "FsspecWriter", "bench/object_storage",
+             "stock's writer for URLs (s3://), compared with fastdcp's in the s3 scenario", required=False),
+    Internal(_dcp("_fsspec_filesystem"), "FsspecReader", "bench/object_storage",
+             "stock's reader for URLs (s3://), compared with fastdcp's in the s3 scenario", required=False),
     Internal("torch.testing._internal.distributed.fake_pg", "FakeStore", "bench/simulated_ranks",
              "the fake process group that lets one process play thousands of ranks (plan_scale)", required=False),
 )

@@ -59,7 +59,7 @@ class FastS3Reader(FastFileSystemReader):
         self.s3_options = s3_options if s3_options is not None else S3Options()
         self._engine: ObjectReadEngine | None = None
         # Items fastdcp leaves to stock code are read by it through object streams.
-        self.fs = ObjectStreams(lambda: (self._store(), self.location), self.s3_options)
+        self.fs = ObjectStreams(self.location, self.s3_options)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -72,6 +72,7 @@ class FastS3Reader(FastFileSystemReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.location = ObjectLocation.parse(checkpoint_id)
+            self.fs = ObjectStreams(self.location, self.s3_options)
         super().reset(None)
         self.path = self.location.url()
 

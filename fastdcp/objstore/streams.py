@@ -11,7 +11,8 @@ import io
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from .client import S3Options, object_error, require_obstore
+from .client import S3Options, object_error, require_obstore, store_for
+from .location import ObjectLocation
 
 __all__ = ["ObjectStreams", "READ_AHEAD"]
 
@@ -96,9 +97,13 @@ class ObjectStreams:
     """The ``fs`` stock's reader and writer code calls (``concat_path``, ``create_stream``,
     ``exists``), over the objects of one checkpoint location."""
 
-    def __init__(self, store_of: Any, options: S3Options):
-        self._store_of = store_of  # () -> (store, location): the current checkpoint's
+    def __init__(self, location: ObjectLocation, options: S3Options):
+        # Plain data only: a writer travels to process-mode async_save's checkpoint process pickled.
+        self._location = location
         self._options = options
+
+    def _store_of(self) -> tuple[Any, ObjectLocation]:
+        return store_for(self._location, self._options), self._location
 
     def init_path(self, path: Any) -> str:
         return str(path)

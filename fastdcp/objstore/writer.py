@@ -98,7 +98,7 @@ class FastS3Writer(FastFileSystemWriter):
         # This rank's uploads in the save in progress (deleted if the save fails).
         self._uploaded: list[str] = []
         # Items fastdcp leaves to stock code are written by it through object streams.
-        self.fs = ObjectStreams(lambda: (self._store(), self.location), self.s3_options)
+        self.fs = ObjectStreams(self.location, self.s3_options)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -111,6 +111,7 @@ class FastS3Writer(FastFileSystemWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.location = ObjectLocation.parse(checkpoint_id)
+            self.fs = ObjectStreams(self.location, self.s3_options)
         super().reset(None)
         self.path = self.location.url()
         self._uploaded = []
@@ -160,7 +161,10 @@ class FastS3Writer(FastFileSystemWriter):
                 traceback.clear_frames(error.__traceback__.tb_next)
             uploaded, self._uploaded = self._uploaded, []
             if uploaded:
-                delete_objects(self._store(), self.location, uploaded, self.s3_options)
+                try:
+                    delete_objects(self._store(), self.location, uploaded, self.s3_options)
+                except Exception:  # noqa: BLE001 - the save's own error is the one to report
+                    pass
             raise
         finally:
             self._release_staging(planner)

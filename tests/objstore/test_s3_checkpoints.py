@@ -258,3 +258,16 @@ def test_two_saves_racing_to_create_one_checkpoint_with_overwrite_false_commit_o
     dcp.load(dest, storage_reader=FastS3Reader(url), no_dist=True)
     C.assert_same(dest, states[winners[0]])
     assert len([k for k in keys(s3, bucket) if k.endswith(".distcp")]) == 1  # the loser's objects went
+
+
+def test_a_writer_travels_pickled_as_process_mode_async_save_sends_it(bucket):
+    import pickle
+
+    url = f"s3://{bucket}/pickled"
+    writer = pickle.loads(pickle.dumps(FastS3Writer(url, async_staging=True)))
+    sd = {"w": torch.randn(1 << 20), "step": 5}
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    reader = pickle.loads(pickle.dumps(FastS3Reader(url)))
+    dest = {"w": torch.zeros(1 << 20), "step": 0}
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    C.assert_same(dest, sd)
