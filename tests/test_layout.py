@@ -19,7 +19,7 @@ ALLOWED = {
     "save": {"format", "io", "compat"},
     "load": {"format", "io", "compat"},
     "planners": {"format", "io", "compat"},
-    "cli": {"format", "io", "load", "compat"},
+    "cli": {"format", "io", "load", "objstore", "compat"},
     "objstore": {"format", "io", "save", "load", "compat"},
 }
 TOP_LEVEL = {"fastdcp", "fastdcp.__main__", "fastdcp._C"}

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from ..format.blob import pickle_stand_ins, tensor_stand_in
-from ..load.lazy import LazyCheckpoint, StoredRun, TensorInfo, open_checkpoint
+from ..load.lazy import LazyCheckpoint, StoredRun, TensorInfo
+from ..objstore.lazy import open_any as open_checkpoint
 from .progress import Progress
 
 __all__ = ["ConvertOptions", "run_convert", "parse_size", "DTYPE_NAMES", "SAFETENSORS_DTYPES"]

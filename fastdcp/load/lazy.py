@@ -194,15 +194,14 @@ class LazyCheckpoint(Mapping):
             memory_budget_bytes=memory_budget_bytes, for_reading=True,
         )
         self.bytes_read = 0  # data-file bytes read so far (headers, tensor data, byte items)
-        self._metadata: Metadata = load_metadata(self.path, allow_unsafe=allow_unsafe_metadata)
+        self._metadata: Metadata = self._read_metadata(allow_unsafe_metadata)
         storage_data = self._metadata.storage_data or {}
-        check_data_paths(self.path, storage_data)
         self._storage_data: dict[MetadataIndex, _StorageInfo] = storage_data
         self._entries: dict[str, Any] = dict(self._metadata.state_dict_metadata)
         self._planner_data = self._metadata.planner_data if isinstance(self._metadata.planner_data, dict) else {}
         self._extents = file_extents(storage_data)
-        self._direct = self.io_options.direct_for(self.path)
-        self._engine = get_engine(self.io_options.read_with(self._direct))
+        self._direct = self._read_direct()
+        self._engine = self._read_engine()
         self._files: dict[str, _OpenFile] = {}
         self._blobs: dict[tuple[str, int], TensorBlobInfo | BlobFormatError] = {}  # parsed headers
         self._known = KnownBlobs(self._entries)
@@ -331,19 +330,46 @@ class LazyCheckpoint(Mapping):
 
         return sorted(self._entries, key=position)
 
+    # ---- where the bytes come from (fastdcp.objstore.lazy reads objects instead) -----------------
+
+    def _read_metadata(self, allow_unsafe: bool) -> Metadata:
+        """The checkpoint's validated ``.metadata``, every data path checked to stay inside it."""
+        metadata = load_metadata(self.path, allow_unsafe=allow_unsafe)
+        check_data_paths(self.path, metadata.storage_data or {})
+        return metadata
+
+    def _read_direct(self) -> bool:
+        return self.io_options.direct_for(self.path)
+
+    def _read_engine(self) -> Any:
+        """What reads go through: the native engine (its ``read``/``read_runs``/``box_copy``)."""
+        return get_engine(self.io_options.read_with(self._direct))
+
+    def _open_data_file(self, rel: str) -> Any:
+        """Data file ``rel`` opened for reading, its size checked against the metadata's extents."""
+        path = resolve_data_file(self.path, rel)
+        file = _C.File(path, "r", self._direct)
+        try:
+            check_file_extents(self._extents, rel, path, file.size())
+        except CheckpointFormatError:
+            file.close()
+            raise
+        return file
+
+    def _local_path(self, rel: str) -> str | None:
+        """The local path of data file ``rel`` (None where there is none: objects)."""
+        return os.path.join(str(self.path), rel)
+
+    def _new_stock_reader(self) -> FileSystemReader:
+        if self._extension_registry is None:
+            return FileSystemReader(self.path)
+        return FileSystemReader(self.path, _extension_registry=self._extension_registry)
+
     def _open(self, rel: str) -> _OpenFile:
         try:
-            path = resolve_data_file(self.path, rel)
-            file = _C.File(path, "r", self._direct)
+            opened = _OpenFile(self._open_data_file(rel), None)
         except (OSError, CheckpointFormatError) as error:
             opened = _OpenFile(None, error)
-        else:
-            try:
-                check_file_extents(self._extents, rel, path, file.size())
-                opened = _OpenFile(file, None)
-            except CheckpointFormatError as error:
-                file.close()
-                opened = _OpenFile(None, error)
         self._files[rel] = opened
         return opened
 
@@ -484,7 +510,8 @@ class LazyCheckpoint(Mapping):
         if tuple(blob.stride) != tuple(torch.empty(info.shape, device="meta").stride()):
             return None
         start = si.offset + blob.data_offset + blob.storage_offset * blob.itemsize
-        return StoredRun(os.path.join(str(self.path), si.relative_path), start, blob.nbytes)
+        local = self._local_path(si.relative_path)
+        return StoredRun(local, start, blob.nbytes) if local is not None else None
 
     def _read_quantized(self, info: TensorInfo, box: Box) -> torch.Tensor:
         """Quantized tensors carry their scale and zero point in the blob's pickle: the chunk is
@@ -516,10 +543,7 @@ class LazyCheckpoint(Mapping):
     def _stock_read(self, items: list[ReadItem], planner: _CollectingPlanner) -> None:
         """Stock ``FileSystemReader.read_data`` for what fastdcp does not parse itself."""
         if self._stock_reader is None:
-            if self._extension_registry is None:
-                reader = FileSystemReader(self.path)
-            else:
-                reader = FileSystemReader(self.path, _extension_registry=self._extension_registry)
+            reader = self._new_stock_reader()
             reader.storage_data = self._storage_data
             self._stock_reader = reader
         self._stock_reader.read_data(LoadPlan(items), planner).wait()  # type: ignore[arg-type]

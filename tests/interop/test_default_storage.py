@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import dcp_cases as C
 import fastdcp
-from fastdcp import FastFileSystemReader, FastFileSystemWriter, HookNotFoundError
+from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastS3Reader, FastS3Writer, HookNotFoundError
 from fastdcp import default_storage
 from fastdcp.bench.process_group import exit_spawned_rank
 
@@ -219,11 +219,12 @@ def _outcome(function, *args, **kwargs) -> str:
 
 @pytest.mark.parametrize("reader", [False, True])
 def test_urls_keep_stocks_choice(tmp_path, reader):
-    # The decision itself: local paths fastdcp, anything stock sends to fsspec None.
+    # The decision itself: local paths and s3:// URLs fastdcp, anything else stock sends to fsspec None.
     fast_class = FastFileSystemReader if reader else FastFileSystemWriter
     assert default_storage.fast_storage_class(str(tmp_path / "c"), reader) is fast_class
     assert default_storage.fast_storage_class(tmp_path / "c", reader) is fast_class
-    for url in ("memory://ckpt", "s3://bucket/ckpt", "file:///tmp/ckpt"):
+    assert default_storage.fast_storage_class("s3://bucket/ckpt", reader) is (FastS3Reader if reader else FastS3Writer)
+    for url in ("memory://ckpt", "gs://bucket/ckpt", "file:///tmp/ckpt"):
         assert default_storage.fast_storage_class(url, reader) is None
 
     # Through DCP's own function: the same outcome as stock for a URL (fsspec's class when

@@ -271,3 +271,29 @@ def test_a_writer_travels_pickled_as_process_mode_async_save_sends_it(bucket):
     dest = {"w": torch.zeros(1 << 20), "step": 0}
     dcp.load(dest, storage_reader=reader, no_dist=True)
     C.assert_same(dest, sd)
+
+
+def test_fastdcp_open_reads_one_tensor_or_a_slice_of_it_without_the_rest(bucket):
+    import fastdcp
+
+    url = f"s3://{bucket}/lazy"
+    sd = {"big": torch.randn(2048, 1024), "other": torch.randn(4 << 20), "step": 9}
+    dcp.save(sd, storage_writer=FastS3Writer(url), no_dist=True)
+    with fastdcp.open(url) as ckpt:
+        assert set(ckpt) == {"big", "other", "step"} and ckpt["step"] == 9
+        rows = ckpt.get_slice("big")[100:110]
+        C.assert_same(rows, sd["big"][100:110])
+        assert ckpt._engine.bytes_fetched < (1 << 20)  # ten rows (40 KiB) and a blob header, not 24 MiB
+        C.assert_same(ckpt["other"], sd["other"])
+
+
+def test_convert_from_s3_to_safetensors(bucket, tmp_path):
+    from safetensors.torch import load_file
+
+    from fastdcp.cli.convert_command import ConvertOptions, run_convert
+
+    url = f"s3://{bucket}/conv"
+    sd = {"a": torch.randn(300, 40), "b": torch.arange(50, dtype=torch.int32)}
+    dcp.save(sd, storage_writer=FastS3Writer(url), no_dist=True)
+    run_convert(ConvertOptions(source=url, destination=str(tmp_path / "model.safetensors")))
+    C.assert_same(load_file(str(tmp_path / "model.safetensors")), sd)

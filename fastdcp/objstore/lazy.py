@@ -1,0 +1,91 @@
+"""``fastdcp.open("s3://bucket/prefix")``: a checkpoint in object storage as the lazy, read-only
+mapping of :mod:`fastdcp.load.lazy`, its reads served by ranged GETs of only the bytes asked for
+(:class:`~fastdcp.objstore.transfer.ObjectReadEngine`): reading one tensor, or a slice of one,
+fetches that tensor's (or slice's) bytes and its blob header, not the files that hold it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..format.metadata import METADATA_NAME, CheckpointNotFoundError, parse_metadata
+from ..io.engine import get_engine
+from ..load.lazy import LazyCheckpoint
+from .client import ObjectNotFoundError, S3Options, store_for
+from .commit import read_object
+from .location import ObjectLocation
+from .streams import ObjectStreams
+from .transfer import ObjectFile, ObjectReadEngine
+
+__all__ = ["ObjectCheckpoint", "open_object_checkpoint"]
+
+
+class ObjectCheckpoint(LazyCheckpoint):
+    """:class:`fastdcp.load.lazy.LazyCheckpoint` over ``s3://bucket/prefix``."""
+
+    def __init__(self, url: str, *, s3_options: S3Options | None = None, **kwargs: Any) -> None:
+        self.location = ObjectLocation.parse(url)
+        self.s3_options = s3_options if s3_options is not None else S3Options()
+        kwargs.pop("direct_io", None)
+        super().__init__(self.location.url(), direct_io=False, **kwargs)
+
+    def _read_metadata(self, allow_unsafe: bool) -> Metadata:
+        store = store_for(self.location, self.s3_options)
+        try:
+            data = read_object(store, self.location, METADATA_NAME, self.s3_options)
+        except ObjectNotFoundError as error:
+            raise CheckpointNotFoundError(f"'{self.location.url()}' is not a DCP checkpoint: {error}") from None
+        metadata = parse_metadata(data, self.location.url(METADATA_NAME), allow_unsafe=allow_unsafe)
+        for info in (metadata.storage_data or {}).values():
+            rel = getattr(info, "relative_path", None)
+            if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", ".."):
+                raise ValueError(f"{self.location.url(METADATA_NAME)} names a data object {rel!r} outside the checkpoint")
+        return metadata
+
+    def _read_direct(self) -> bool:
+        return False
+
+    def _read_engine(self) -> ObjectReadEngine:
+        return ObjectReadEngine(get_engine(self.io_options), self.s3_options)
+
+    def _open_data_file(self, rel: str) -> ObjectFile:
+        # Lengths are checked by every ranged read (a short object is named in the error).
+        return ObjectFile(store_for(self.location, self.s3_options), self.location, rel, self.s3_options)
+
+    def _local_path(self, rel: str) -> None:
+        return None  # no file to copy from inside the kernel: convert reads the bytes instead
+
+    def _new_stock_reader(self) -> FileSystemReader:
+        if self._extension_registry is None:
+            reader = FileSystemReader(self.location.url())
+        else:
+            reader = FileSystemReader(self.location.url(), _extension_registry=self._extension_registry)
+        reader.fs = ObjectStreams(self.location, self.s3_options)
+        reader.path = self.location.url()
+        return reader
+
+
+def open_object_checkpoint(url: str | os.PathLike, *, device: str | torch.device = "cpu",
+                           allow_unsafe_metadata: bool = False, io_threads: int | None = None,
+                           memory_budget_bytes: int | None = None, extension_registry: Any = None,
+                           s3_options: S3Options | None = None, **_ignored: Any) -> ObjectCheckpoint:
+    """``fastdcp.open`` for ``s3://`` URLs (``direct_io`` means nothing there and is ignored)."""
+    return ObjectCheckpoint(str(url), s3_options=s3_options, device=device,
+                            allow_unsafe_metadata=allow_unsafe_metadata, io_threads=io_threads,
+                            memory_budget_bytes=memory_budget_bytes, extension_registry=extension_registry)
+
+
+def open_any(path: str | os.PathLike, **kwargs: Any) -> LazyCheckpoint:
+    """``fastdcp.open(path)``: a local checkpoint directory (:func:`fastdcp.load.lazy.open_checkpoint`)
+    or an ``s3://`` URL (:func:`open_object_checkpoint`, which also takes ``s3_options=``)."""
+    from ..load.lazy import open_checkpoint
+    from .location import is_object_url
+
+    if is_object_url(path):
+        return open_object_checkpoint(path, **kwargs)
+    kwargs.pop("s3_options", None)
+    return open_checkpoint(path, **kwargs)
