@@ -132,15 +132,16 @@ async def _body(reader: asyncio.StreamReader, headers: dict[str, str]):
                     yield trailer
                     if trailer == b"\r\n":
                         return
-            remaining = size + 2
-            while remaining:
-                data = await reader.read(min(_CHUNK, remaining))
-                if not data:
-                    raise ConnectionError("client closed mid-body")
-                remaining -= len(data)
+            async for data in _exactly(reader, size + 2):  # the chunk and its CRLF
                 yield data
         return
-    remaining = int(headers.get("content-length", "0") or 0)
+    async for data in _exactly(reader, int(headers.get("content-length", "0") or 0)):
+        yield data
+
+
+async def _exactly(reader: asyncio.StreamReader, nbytes: int):
+    """The next ``nbytes`` of the stream, as they arrive."""
+    remaining = nbytes
     while remaining:
         data = await reader.read(min(_CHUNK, remaining))
         if not data:

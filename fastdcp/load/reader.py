@@ -279,6 +279,10 @@ class FastFileSystemReader(FileSystemReader):
                 break  # pinned; or missing twice: a damaged checkpoint, reported when read
             logger.info("a data file of %s vanished right after its .metadata was read (a concurrent save "
                         "committed): reading .metadata again", self.path)
+        return self._remember(metadata)
+
+    def _remember(self, metadata: Metadata) -> Metadata:
+        """``metadata`` as this load's (its save id checked across ranks), stamped with the load id."""
         self._metadata_read = metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -22,14 +22,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..format.metadata import parse_metadata
+from ..format.metadata import CheckpointFormatError, CheckpointNotFoundError, parse_metadata
 from ..format.metadata_emit import write_metadata
 from ..io.gc import gc_paused
 from .client import ObjectExistsError, ObjectNotFoundError, S3Options, object_error, require_obstore
 from .location import ObjectLocation
 from .transfer import delete_objects
 
-__all__ = ["object_exists", "read_object", "commit_metadata", "metadata_bytes"]
+__all__ = ["object_exists", "read_object", "read_checkpoint_metadata", "commit_metadata", "metadata_bytes"]
 
 logger = logging.getLogger("fastdcp")
 
@@ -54,6 +54,25 @@ def read_object(store: Any, location: ObjectLocation, name: str, options: S3Opti
         return bytes(obstore.get(store, location.key(name)).bytes())
     except Exception as error:  # noqa: BLE001 - translated, naming the object
         raise object_error(error, location.url(name), "reading", options) from error
+
+
+def read_checkpoint_metadata(store: Any, location: ObjectLocation, name: str, options: S3Options,
+                             allow_unsafe: bool) -> Metadata:
+    """The checkpoint's metadata object ``name``, parsed and validated as on local disk
+    (:func:`fastdcp.format.metadata.parse_metadata`), every data object it names checked to be a
+    plain name under the checkpoint's prefix. A missing one is a ``CheckpointNotFoundError``."""
+    try:
+        data = read_object(store, location, name, options)
+    except ObjectNotFoundError as error:
+        raise CheckpointNotFoundError(
+            f"'{location.url()}' is not a DCP checkpoint: {error} (was the save interrupted?)"
+        ) from None
+    metadata = parse_metadata(data, location.url(name), allow_unsafe=allow_unsafe)
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", ".."):
+            raise CheckpointFormatError(f"{location.url(name)} names a data object {rel!r} outside the checkpoint")
+    return metadata
 
 
 def metadata_bytes(metadata: Metadata) -> bytes:

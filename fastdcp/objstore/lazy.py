@@ -12,11 +12,11 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..format.metadata import METADATA_NAME, CheckpointNotFoundError, parse_metadata
+from ..format.metadata import METADATA_NAME
 from ..io.engine import get_engine
 from ..load.lazy import LazyCheckpoint
-from .client import ObjectNotFoundError, S3Options, store_for
-from .commit import read_object
+from .client import S3Options, store_for
+from .commit import read_checkpoint_metadata
 from .location import ObjectLocation
 from .streams import ObjectStreams
 from .transfer import ObjectFile, ObjectReadEngine
@@ -34,17 +34,8 @@ class ObjectCheckpoint(LazyCheckpoint):
         super().__init__(self.location.url(), direct_io=False, **kwargs)
 
     def _read_metadata(self, allow_unsafe: bool) -> Metadata:
-        store = store_for(self.location, self.s3_options)
-        try:
-            data = read_object(store, self.location, METADATA_NAME, self.s3_options)
-        except ObjectNotFoundError as error:
-            raise CheckpointNotFoundError(f"'{self.location.url()}' is not a DCP checkpoint: {error}") from None
-        metadata = parse_metadata(data, self.location.url(METADATA_NAME), allow_unsafe=allow_unsafe)
-        for info in (metadata.storage_data or {}).values():
-            rel = getattr(info, "relative_path", None)
-            if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", ".."):
-                raise ValueError(f"{self.location.url(METADATA_NAME)} names a data object {rel!r} outside the checkpoint")
-        return metadata
+        return read_checkpoint_metadata(store_for(self.location, self.s3_options), self.location, METADATA_NAME,
+                                        self.s3_options, allow_unsafe)
 
     def _read_direct(self) -> bool:
         return False

@@ -9,25 +9,24 @@ rank loads cross the network, so a resharded load does not download whole files.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from ..format.metadata import METADATA_NAME, CheckpointNotFoundError, parse_metadata
+from ..format.metadata import METADATA_NAME
 from ..io.engine import get_engine
 from ..load.reader import FastFileSystemReader
-from .client import ObjectNotFoundError, S3Options, store_for
-from .commit import read_object
-from .location import ObjectLocation, is_object_url
-from .streams import ObjectStreams
+from .client import S3Options
+from .commit import read_checkpoint_metadata
+from .location import ObjectLocation
+from .located import AtObjectLocation
 from .transfer import ObjectFile, ObjectReadEngine
 
 __all__ = ["FastS3Reader"]
 
 
-class FastS3Reader(FastFileSystemReader):
+class FastS3Reader(AtObjectLocation, FastFileSystemReader):
     """Drop-in for stock's ``FsspecReader`` on ``s3://`` paths: ``FastS3Reader("s3://bucket/run1/step100")``.
 
     ``s3_options``: :class:`~fastdcp.objstore.client.S3Options` (endpoint, credentials, retries,
@@ -55,48 +54,13 @@ class FastS3Reader(FastFileSystemReader):
             allow_unsafe_metadata=allow_unsafe_metadata,
             verify_checksums=verify_checksums,
         )
-        self.path = self.location.url()
-        self.s3_options = s3_options if s3_options is not None else S3Options()
+        self._settle(self.location, s3_options)
         self._engine: ObjectReadEngine | None = None
-        # Items fastdcp leaves to stock code are read by it through object streams.
-        self.fs = ObjectStreams(self.location, self.s3_options)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_object_url(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.location.url()
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
-            self.location = ObjectLocation.parse(checkpoint_id)
-            self.fs = ObjectStreams(self.location, self.s3_options)
-        super().reset(None)
-        self.path = self.location.url()
-
-    def _store(self) -> Any:
-        return store_for(self.location, self.s3_options)
 
     def _read_metadata(self, rank: int | None) -> Metadata:
         name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
-        try:
-            data = read_object(self._store(), self.location, name, self.s3_options)
-        except ObjectNotFoundError as error:
-            raise CheckpointNotFoundError(
-                f"'{self.location.url()}' is not a DCP checkpoint: {error} (was the save interrupted?)"
-            ) from None
-        metadata = parse_metadata(data, self.location.url(name), allow_unsafe=self.allow_unsafe_metadata)
-        for info in (metadata.storage_data or {}).values():
-            rel = getattr(info, "relative_path", None)
-            if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", ".."):
-                raise ValueError(f"{self.location.url(name)} names a data object {rel!r} outside the checkpoint")
-        self._metadata_read = metadata
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return self._remember(read_checkpoint_metadata(self._store(), self.location, name, self.s3_options,
+                                                       self.allow_unsafe_metadata))
 
     def _choose_read_mode(self, per_file: Any) -> None:
         return None  # no page cache, no O_DIRECT: ranged GETs

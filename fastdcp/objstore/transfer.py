@@ -19,7 +19,8 @@ from .. import _C
 from .client import ObjectStoreError, S3Options, object_error, require_obstore
 from .location import ObjectLocation
 
-__all__ = ["ObjectFile", "ObjectReadEngine", "upload_image", "delete_objects", "COALESCE_GAP", "transfer_pool"]
+__all__ = ["ObjectFile", "ObjectReadEngine", "upload_image", "delete_objects", "COALESCE_GAP", "transfer_pool",
+           "wait_all"]
 
 # Runs of one object at most this far apart are fetched by one request: a request costs a round
 # trip (~20 ms across a region), and 256 KiB more of a response costs ~3 ms at 90 MB/s.
@@ -42,6 +43,19 @@ def transfer_pool(concurrency: int) -> ThreadPoolExecutor:
         if pool is None:
             pool = _pools[key] = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="fastdcp-s3")
         return pool
+
+
+def wait_all(futures: list) -> None:
+    """Wait for every future, then raise the first error: none of the requests may still write
+    into memory the caller frees once this returns."""
+    first_error: BaseException | None = None
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as error:  # noqa: BLE001 - the first is raised below
+            first_error = first_error or error
+    if first_error is not None:
+        raise first_error
 
 
 class ObjectFile:
@@ -202,15 +216,7 @@ class ObjectReadEngine:
             _fetch(requests[0])
             return
         pool = transfer_pool(self.options.concurrency)
-        futures = [pool.submit(_fetch, request) for request in requests]
-        first_error: BaseException | None = None
-        for future in futures:  # wait for every request: none may write into freed memory later
-            try:
-                future.result()
-            except BaseException as error:  # noqa: BLE001 - the first is raised below
-                first_error = first_error or error
-        if first_error is not None:
-            raise first_error
+        wait_all([pool.submit(_fetch, request) for request in requests])
 
 
 def _table_at(address: int, n: int) -> Any:

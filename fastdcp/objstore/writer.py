@@ -28,15 +28,15 @@ from ..io.gc import gc_paused
 from ..save.file_image import FilePlan
 from ..save.writer import FastFileSystemWriter
 from . import commit
-from .client import S3Options, store_for
-from .location import ObjectLocation, is_object_url
-from .streams import ObjectStreams
-from .transfer import delete_objects, transfer_pool, upload_image
+from .client import S3Options
+from .location import ObjectLocation
+from .located import AtObjectLocation
+from .transfer import delete_objects, transfer_pool, upload_image, wait_all
 
 __all__ = ["FastS3Writer"]
 
 
-class FastS3Writer(FastFileSystemWriter):
+class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
     """Drop-in for stock's ``FsspecWriter`` on ``s3://`` paths (and for ``FileSystemWriter``):
     ``FastS3Writer("s3://bucket/run1/step100")``.
 
@@ -93,31 +93,13 @@ class FastS3Writer(FastFileSystemWriter):
             io_threads=io_threads,
             direct_io=False,
         )
-        self.path = self.location.url()  # not a pathlib.Path: that would fold "s3://" into "s3:/"
-        self.s3_options = s3_options if s3_options is not None else S3Options()
+        self._settle(self.location, s3_options)
         # This rank's uploads in the save in progress (deleted if the save fails).
         self._uploaded: list[str] = []
-        # Items fastdcp leaves to stock code are written by it through object streams.
-        self.fs = ObjectStreams(self.location, self.s3_options)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_object_url(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.location.url()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
-            self.location = ObjectLocation.parse(checkpoint_id)
-            self.fs = ObjectStreams(self.location, self.s3_options)
-        super().reset(None)
-        self.path = self.location.url()
+        super().reset(checkpoint_id)
         self._uploaded = []
-
-    def _store(self) -> Any:
-        return store_for(self.location, self.s3_options)
 
     # --- planning ---------------------------------------------------------------------------- #
 
@@ -180,14 +162,7 @@ class FastS3Writer(FastFileSystemWriter):
         for f in files:
             self._uploaded.append(f.path)
             futures.append(pool.submit(upload_image, store, self.location, f.path, f.segments, f.size, s3, per_file))
-        first_error: BaseException | None = None
-        for future in futures:
-            try:
-                future.result()
-            except BaseException as error:  # noqa: BLE001 - the first is raised below
-                first_error = first_error or error
-        if first_error is not None:
-            raise first_error
+        wait_all(futures)
 
     # --- commit ------------------------------------------------------------------------------ #
 
