@@ -26,6 +26,7 @@ import re
 import sys
 
 from ..format.metadata import CheckpointFormatError
+from ..objstore.location import is_object_url
 from .checkpoint import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, NotACheckpoint, open_checkpoint
 from .convert_command import DTYPE_NAMES, ConvertOptions, parse_size, run_convert
 from .inspect_command import run_inspect
@@ -123,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert":
         return _convert(args)
     directory = args.directory
+    if is_object_url(directory):
+        print(f"error: {args.command} reads local checkpoint directories only, not yet {directory} "
+              "(fastdcp.open and `python -m fastdcp convert` take s3:// URLs)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         ckpt = open_checkpoint(directory, args.allow_unsafe_metadata)
     except NotACheckpoint as e:
