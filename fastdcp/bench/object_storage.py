@@ -284,11 +284,12 @@ def run_s3(ctx: Any, wheres: list[str]) -> None:
                 for system in systems:
                     endpoint.reset()
                     started = time.perf_counter()
-                    dcp.save(src, storage_writer=_writer(system, urls[system]), no_dist=True)
+                    writer = _writer(system, urls[system])  # timed, as a new writer per checkpoint is
+                    dcp.save(src, storage_writer=writer, no_dist=True)
                     seconds = time.perf_counter() - started
                     requests = endpoint.stats()
                     ctx.recorder.add("s3", where, system, {"op": "save"}, nbytes, seconds, None,
-                                     {"class": type(_writer(system, urls[system])).__name__}, requests=requests)
+                                     {"class": type(writer).__name__}, requests=requests)
                     ctx.progress(f"s3 {where:<9} save {system:<16} {rep + 1}/{ctx.cfg.repeats}: {seconds:7.3f} s "
                                  f"{nbytes / seconds / GIB:6.3f} GiB/s  {_short(requests)}")
                 endpoint.reset()

@@ -188,7 +188,7 @@ class FastFileSystemReader(FileSystemReader):
                 else:
                     per_file[info.relative_path].append((item, info))
         if stock_items:
-            self._read_with_stock(stock_items, planner)
+            super().read_data(LoadPlan(stock_items), planner).wait()
         try:
             if per_file:
                 with gc_paused():
@@ -398,18 +398,13 @@ class FastFileSystemReader(FileSystemReader):
                 f.close()
         if unparsed:
             try:
-                self._read_with_stock([item for item, _ in unparsed], planner)
+                super().read_data(LoadPlan([item for item, _ in unparsed]), planner).wait()
             except BaseException as stock_error:  # CheckpointException is a BaseException
                 raise unparsed[0][1] from stock_error
 
     def _read_engine(self, direct: bool) -> Any:
         """What this load's reads go through: the native engine for the chosen mode."""
         return get_engine(self.io_options.read_with(direct))
-
-    def _read_with_stock(self, items: list[ReadItem], planner: LoadPlanner) -> None:
-        """Items fastdcp does not read itself (stream transforms, blobs that are not one plain
-        tensor): stock's reader, which ``torch.load``s them."""
-        super().read_data(LoadPlan(items), planner).wait()
 
     def _choose_read_mode(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> ReadMode | None:
         """The mode of this load (fastdcp.io.read_mode), from the files it reads and the bytes of

@@ -27,6 +27,7 @@ __all__ = [
     "S3Options",
     "ObjectStoreError",
     "ObjectNotFoundError",
+    "BucketNotFoundError",
     "ObjectAccessError",
     "ObjectExistsError",
     "store_for",
@@ -41,6 +42,10 @@ class ObjectStoreError(OSError):
 
 class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
     """The object (or its bucket) does not exist."""
+
+
+class BucketNotFoundError(ObjectNotFoundError):
+    """The bucket itself does not exist."""
 
 
 class ObjectAccessError(ObjectStoreError, PermissionError):
@@ -190,10 +195,9 @@ def store_for(location: ObjectLocation, options: S3Options) -> Any:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     # obstore's messages carry the server's XML body and a debug dump: keep what a user reads.
-    for marker in ("<Code>", ):
-        if marker in text:
-            code = text.split(marker, 1)[1].split("<", 1)[0]
-            return f"{code} ({text.splitlines()[0][:300]})"
+    if "<Code>" in text:
+        code = text.split("<Code>", 1)[1].split("<", 1)[0]
+        return f"{code} ({text.splitlines()[0][:300]})"
     return text.splitlines()[0][:400] if text else type(error).__name__
 
 
@@ -206,10 +210,11 @@ def object_error(error: BaseException, url: str, action: str, options: S3Options
         return error
     where = f" at {options.describe()}" if options is not None else ""
     detail = _first_line(error)
+    text = str(error)
+    if "NoSuchBucket" in text and isinstance(error, (ox.BaseError, FileNotFoundError)):
+        bucket = url.split("://", 1)[-1].split("/", 1)[0]
+        return BucketNotFoundError(f"{action} {url}: the bucket '{bucket}' does not exist{where}")
     if isinstance(error, (ox.NotFoundError, FileNotFoundError)):
-        if "NoSuchBucket" in str(error):
-            bucket = url.split("://", 1)[-1].split("/", 1)[0]
-            return ObjectNotFoundError(f"{action} {url}: the bucket '{bucket}' does not exist{where}")
         return ObjectNotFoundError(f"{action} {url}: no such object{where}")
     if isinstance(error, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
         return ObjectAccessError(f"{action} {url}: access denied{where}: check the credentials "
@@ -217,11 +222,7 @@ def object_error(error: BaseException, url: str, action: str, options: S3Options
     if isinstance(error, (ox.AlreadyExistsError, ox.PreconditionError, FileExistsError)):
         return ObjectExistsError(f"{action} {url}: the object already exists{where}")
     if isinstance(error, ox.BaseError):
-        text = str(error)
         if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "AccessDenied" in text:
             return ObjectAccessError(f"{action} {url}: access denied{where}: check the credentials: {detail}")
-        if "NoSuchBucket" in text:
-            bucket = url.split("://", 1)[-1].split("/", 1)[0]
-            return ObjectNotFoundError(f"{action} {url}: the bucket '{bucket}' does not exist{where}")
         return ObjectStoreError(f"{action} {url} failed{where}: {detail}")
     return error

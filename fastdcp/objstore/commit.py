@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..format.metadata import CheckpointFormatError, CheckpointNotFoundError, parse_metadata
 from ..format.metadata_emit import write_metadata
 from ..io.gc import gc_paused
-from .client import ObjectExistsError, ObjectNotFoundError, S3Options, object_error, require_obstore
+from .client import (BucketNotFoundError, ObjectExistsError, ObjectNotFoundError, S3Options, object_error,
+                     require_obstore)
 from .location import ObjectLocation
 from .transfer import delete_objects
 
@@ -41,7 +42,7 @@ def object_exists(store: Any, location: ObjectLocation, name: str, options: S3Op
         obstore.head(store, location.key(name))
     except Exception as error:  # noqa: BLE001 - translated below
         translated = object_error(error, location.url(name), "checking", options)
-        if isinstance(translated, ObjectNotFoundError) and "bucket" not in str(translated):
+        if isinstance(translated, ObjectNotFoundError) and not isinstance(translated, BucketNotFoundError):
             return False
         raise translated from error
     return True
@@ -93,18 +94,16 @@ def _referenced(store: Any, location: ObjectLocation, name: str, options: S3Opti
     """The objects the current ``name`` names; empty when there is none or it cannot be parsed
     (then nothing is deleted: a damaged metadata's objects are left for a person to look at)."""
     try:
-        data = read_object(store, location, name, options)
-    except ObjectNotFoundError:
+        metadata = read_checkpoint_metadata(store, location, name, options, allow_unsafe=False)
+    except CheckpointNotFoundError:
         return set()
-    try:
-        metadata = parse_metadata(data, location.url(name))
-    except Exception:  # noqa: BLE001 - see the docstring
+    except OSError:  # the store failed: the commit would too
+        raise
+    except Exception:  # noqa: BLE001 - damaged: see the docstring
         logger.warning("%s could not be parsed: the objects of the checkpoint it committed are kept",
                        location.url(name))
         return set()
-    names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-    names.discard(None)
-    return {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
+    return {info.relative_path for info in (metadata.storage_data or {}).values()}
 
 
 def commit_metadata(store: Any, location: ObjectLocation, name: str, metadata: Metadata, new_files: set[str],

@@ -51,20 +51,18 @@ class ObjectCheckpoint(LazyCheckpoint):
         return None  # no file to copy from inside the kernel: convert reads the bytes instead
 
     def _new_stock_reader(self) -> FileSystemReader:
-        if self._extension_registry is None:
-            reader = FileSystemReader(self.location.url())
-        else:
-            reader = FileSystemReader(self.location.url(), _extension_registry=self._extension_registry)
-        reader.fs = ObjectStreams(self.location, self.s3_options)
-        reader.path = self.location.url()
+        reader = super()._new_stock_reader()
+        reader.fs = ObjectStreams(self.location, self.s3_options)  # stock's reads, from objects
+        reader.path = self.location.url()  # stock made it a pathlib.Path, folding "s3://" into "s3:/"
         return reader
 
 
 def open_object_checkpoint(url: str | os.PathLike, *, device: str | torch.device = "cpu",
                            allow_unsafe_metadata: bool = False, io_threads: int | None = None,
                            memory_budget_bytes: int | None = None, extension_registry: Any = None,
-                           s3_options: S3Options | None = None, **_ignored: Any) -> ObjectCheckpoint:
-    """``fastdcp.open`` for ``s3://`` URLs (``direct_io`` means nothing there and is ignored)."""
+                           s3_options: S3Options | None = None, direct_io: bool | None = None) -> ObjectCheckpoint:
+    """``fastdcp.open`` for ``s3://`` URLs (``direct_io`` is accepted, as for a local path, and
+    means nothing for objects)."""
     return ObjectCheckpoint(str(url), s3_options=s3_options, device=device,
                             allow_unsafe_metadata=allow_unsafe_metadata, io_threads=io_threads,
                             memory_budget_bytes=memory_budget_bytes, extension_registry=extension_registry)

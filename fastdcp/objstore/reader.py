@@ -75,9 +75,6 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
         # opening costs no request.
         return ObjectFile(self._store(), self.location, relative_path, self.s3_options)
 
-    def _unpin(self) -> None:
-        self._pinned = {}
-
     def read_data(self, plan: Any, planner: LoadPlanner) -> Any:
         engine = self._read_engine(False)
         requests, fetched = engine.requests, engine.bytes_fetched

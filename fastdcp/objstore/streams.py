@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from .client import S3Options, object_error, require_obstore, store_for
+from .commit import object_exists
 from .location import ObjectLocation
 
 __all__ = ["ObjectStreams", "READ_AHEAD"]
@@ -28,7 +29,7 @@ class _ObjectReader(io.RawIOBase):
         except Exception as error:  # noqa: BLE001 - translated, naming the object
             raise object_error(error, url, "reading", options) from error
         self._pos = 0
-        self._cache_start, self._cache = 0, b""
+        self._cache_start, self._cache = 0, memoryview(b"")
 
     def readable(self) -> bool:
         return True
@@ -54,7 +55,7 @@ class _ObjectReader(io.RawIOBase):
             obstore = require_obstore()
             fetch_end = min(self._size, self._pos + max(wanted, READ_AHEAD))
             try:
-                self._cache = bytes(obstore.get_range(self._store, self._key, start=self._pos, end=fetch_end))
+                self._cache = memoryview(obstore.get_range(self._store, self._key, start=self._pos, end=fetch_end))
             except Exception as error:  # noqa: BLE001 - translated, naming the object
                 raise object_error(error, self._url, f"reading bytes {self._pos}-{fetch_end} of", self._options) from error
             self._cache_start = self._pos
@@ -111,17 +112,19 @@ class ObjectStreams:
     def concat_path(self, path: Any, suffix: str) -> str:
         return f"{str(path).rstrip('/')}/{suffix}"
 
-    def _key(self, path: Any) -> tuple[Any, str, str]:
+    def _name(self, path: Any) -> tuple[Any, str]:
+        """(store, the object's name under the checkpoint's prefix) of a URL stock code built."""
         store, location = self._store_of()
         url = str(path)
         base = location.url().rstrip("/") + "/"
         if not url.startswith(base):
             raise ValueError(f"{url} is not inside the checkpoint {location.url()}")
-        return store, location.key(url[len(base):]), url
+        return store, url[len(base):]
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
-        store, key, url = self._key(path)
+        store, name = self._name(path)
+        key, url = self._location.key(name), self._location.url(name)
         if "r" in mode:
             reader = io.BufferedReader(_ObjectReader(store, key, url, self._options), buffer_size=1 << 20)
             try:
@@ -137,15 +140,5 @@ class ObjectStreams:
                 writer.close()
 
     def exists(self, path: Any) -> bool:
-        obstore = require_obstore()
-        store, key, url = self._key(path)
-        try:
-            obstore.head(store, key)
-        except FileNotFoundError:
-            return False
-        except Exception as error:  # noqa: BLE001 - translated, naming the object
-            translated = object_error(error, url, "checking", self._options)
-            if isinstance(translated, FileNotFoundError) and "bucket" not in str(translated):
-                return False
-            raise translated from error
-        return True
+        store, name = self._name(path)
+        return object_exists(store, self._location, name, self._options)

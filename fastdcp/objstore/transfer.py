@@ -9,6 +9,7 @@ each response is copied straight into its destinations (``_C.scatter``, GIL rele
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +36,6 @@ _pools_lock = threading.Lock()
 def transfer_pool(concurrency: int) -> ThreadPoolExecutor:
     """The process's pool of ``concurrency`` request threads (the client releases the GIL while a
     request is in flight)."""
-    import os
-
     key = (os.getpid(), concurrency)
     with _pools_lock:
         pool = _pools.get(key)
@@ -60,29 +59,17 @@ def wait_all(futures: list) -> None:
 
 class ObjectFile:
     """One object opened for reading: what ``load/`` handles as a file (``path`` for messages,
-    ``size()``, ``direct``, ``close()``). ``size`` is the object's length when known (a HEAD
-    otherwise, on first use)."""
+    ``direct``, ``close()``). Opening sends no request: every ranged read checks the object's
+    length (a short object is named in the error)."""
 
     direct = False
 
-    def __init__(self, store: Any, location: ObjectLocation, name: str, options: S3Options, size: int | None = None):
+    def __init__(self, store: Any, location: ObjectLocation, name: str, options: S3Options):
         self.store = store
-        self.location = location
-        self.name = name
         self.key = location.key(name)
         self.path = location.url(name)
         self.options = options
-        self._size = size
         self.closed = False
-
-    def size(self) -> int:
-        if self._size is None:
-            obstore = require_obstore()
-            try:
-                self._size = int(obstore.head(self.store, self.key)["size"])
-            except Exception as error:  # noqa: BLE001 - translated, naming the object
-                raise object_error(error, self.path, "reading", self.options) from error
-        return self._size
 
     def close(self) -> None:
         self.closed = True
@@ -238,7 +225,7 @@ def _image_chunks(segments: list[tuple], size: int) -> Iterator[memoryview | byt
             yield memoryview(_ZEROS)[:gap]
             pos += gap
         if len(segment) == 2:
-            data = memoryview(segment[1]).cast("B") if not isinstance(segment[1], bytes) else memoryview(segment[1])
+            data = memoryview(segment[1]).cast("B")
         else:
             data = _C.memory_view(segment[1], segment[2])
         if len(data):
@@ -259,7 +246,7 @@ def upload_image(store: Any, location: ObjectLocation, name: str, segments: list
     url = location.url(name)
     try:
         if size <= options.part_bytes:
-            body = b"".join(bytes(c) for c in _image_chunks(segments, size))
+            body = b"".join(_image_chunks(segments, size))
             obstore.put(store, location.key(name), body, use_multipart=False)
         else:
             obstore.put(store, location.key(name), _image_chunks(segments, size), use_multipart=True,
@@ -274,11 +261,10 @@ def delete_objects(store: Any, location: ObjectLocation, names: list[str], optio
     """Delete ``names`` (a missing one counts as deleted); returns the URLs that could not be."""
     obstore = require_obstore()
     failed: list[str] = []
-    keys = [location.key(n) for n in names]
-    for start in range(0, len(keys), 1000):  # S3's DeleteObjects takes at most 1,000 keys
-        batch = keys[start:start + 1000]
+    for start in range(0, len(names), 1000):  # S3's DeleteObjects takes at most 1,000 keys
+        batch = names[start:start + 1000]
         try:
-            obstore.delete(store, batch)
+            obstore.delete(store, [location.key(n) for n in batch])
         except Exception:  # noqa: BLE001 - reported to the caller, who logs it
-            failed.extend(location.url(k[len(location.prefix) + 1:] if location.prefix else k) for k in batch)
+            failed.extend(location.url(n) for n in batch)
     return failed

@@ -94,6 +94,9 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
             direct_io=False,
         )
         self._settle(self.location, s3_options)
+        # Accepted for compatibility, asks for nothing: an object is durable once its PUT returns
+        # (stock code writing through object streams would otherwise os.sync() the host per file).
+        self.sync_files = False
         # This rank's uploads in the save in progress (deleted if the save fails).
         self._uploaded: list[str] = []
 
@@ -134,7 +137,6 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
                 # Stock's writer code, through object streams (each file one PUT when complete).
                 storage_plan = plan.storage_data
                 self._uploaded = [f"{storage_plan.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(plan.items))]
-                self.sync_files = False  # an object is durable once its PUT returns
                 return _StockFileSystemWriter.write_data(self, plan, planner)
             with gc_paused():
                 return self._write_data_fast(plan.storage_data, plan, planner)
@@ -175,9 +177,3 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         self._claimed_tokens = set()
         commit.commit_metadata(self._store(), self.location, name, metadata, new_files,
                                create_only=not self.overwrite, options=self.s3_options)
-
-    def storage_meta(self) -> Any:
-        meta = super().storage_meta()
-        if meta is not None:
-            meta.checkpoint_id = self.location.url()
-        return meta

@@ -58,8 +58,3 @@ def bucket(s3_env):
     name = f"fastdcp-{uuid.uuid4().hex[:12]}"
     s3_env.create_bucket(name)
     return name
-
-
-def keys(s3, bucket: str, prefix: str = "") -> set[str]:
-    paginator = s3.get_paginator("list_objects_v2")
-    return {o["Key"] for page in paginator.paginate(Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])}

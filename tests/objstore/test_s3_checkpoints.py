@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_cases as C
-from conftest import keys
+from s3_cases import keys
 from fastdcp.objstore import transfer
 from fastdcp.objstore.reader import FastS3Reader
 from fastdcp.objstore.writer import FastS3Writer

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_cases as C
-from conftest import keys
+from s3_cases import keys
 from fastdcp import FastS3Reader, FastS3Writer, S3Options
 from fastdcp.bench.s3_endpoint import S3Endpoint
 
