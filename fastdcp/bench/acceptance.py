@@ -395,7 +395,7 @@ class Acceptance:
                               f"about {SUITE_ESTIMATE_S:.0f} s (raise --budget-s)")
             return
         has_xdist = subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True).returncode == 0
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not cuda", "-p", "no:cacheprovider", "tests"]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "not cuda", "-p", "no:cacheprovider", "tests"]
         if has_xdist:
             cmd[3:3] = ["-n", str(self.cfg.workers)]
         rc, secs, tail = run_child(cmd, os.path.join(self.cfg.out, "tests_all.log"),
