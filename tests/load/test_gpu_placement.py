@@ -294,17 +294,25 @@ class _FakeCuda:
         monkeypatch.setattr(reader_module, "run_placements", run_everything_as_gpu)
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
+def _install_fake_cuda(monkeypatch) -> _FakeCuda:
+    """The fake, installed for the rest of the test. Tests that save with stock's writer install it
+    after the save: where a real GPU is visible, stock's writer streams through CUDA streams (its
+    _OverlappingCpuLoader), which the fake does not stand in for."""
     fake = _FakeCuda()
     fake.install(monkeypatch)
     return fake
 
 
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    return _install_fake_cuda(monkeypatch)
+
+
 @pytest.mark.parametrize("writer_kind", ["stock", "fast"])
-def test_simulated_pipeline_same_layout(tmp_path, fake_cuda, writer_kind):
+def test_simulated_pipeline_same_layout(tmp_path, monkeypatch, writer_kind):
     saved = C.zoo_tensors(1)
     C.save(saved, C.make_writer(writer_kind, tmp_path))
+    fake_cuda = _install_fake_cuda(monkeypatch)
     dest = C.destination_for(saved)
     reader = FastFileSystemReader(tmp_path)
     C.load(dest, reader)
@@ -337,9 +345,10 @@ def _destination(sizes, dtype, layout, device="cpu"):
 
 @pytest.mark.parametrize("writer_kind", ["stock", "fast"])
 @pytest.mark.parametrize("layout", ["contiguous", "permuted", "offset", "convert"])
-def test_simulated_pipeline_resharded_tiny_budget(tmp_path, fake_cuda, writer_kind, layout):
+def test_simulated_pipeline_resharded_tiny_budget(tmp_path, monkeypatch, writer_kind, layout):
     saved = _stored(5)
     C.save(saved, C.make_writer(writer_kind, tmp_path))
+    fake_cuda = _install_fake_cuda(monkeypatch)
     rng = random.Random(f"{writer_kind}-{layout}")
     budget = 16 << 10
     for round_ in range(2):
