@@ -377,7 +377,7 @@ class Zygote:
     its ``sys.path`` (modules of job functions); a context manager."""
 
     def __init__(self, extra_paths: Sequence[str] = ()) -> None:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds fastdcp/
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([repo, *extra_paths, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
         # The DCP process-mode daemon opens its TCPStore at MASTER_ADDR (else the host's FQDN).
