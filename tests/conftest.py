@@ -42,6 +42,18 @@ def pytest_configure(config):
     )
 
 
+def pytest_runtest_logreport(report):
+    """With FASTDCP_FAILURE_LOG set, each failure's traceback is appended to that file as it
+    happens (under pytest-xdist, by the controlling process): a run cut off by a time limit, as a
+    lent GPU machine's is, still says why what failed failed (xdist prints tracebacks only at the
+    end)."""
+    path = os.environ.get("FASTDCP_FAILURE_LOG")
+    if not path or not report.failed:
+        return
+    with open(path, "a") as log:
+        log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(autouse=True)
 def _fastdcp_per_test_timeout(request):
     if (
