@@ -10,7 +10,8 @@
                                              to .safetensors (sharded past --max-shard-size, with
                                              an index JSON) or .pt, streamed within the budget
 
-Works on checkpoints written by stock DCP and by fastdcp. Nothing in the checkpoint is trusted:
+DIR and SRC are local directories or ``s3://bucket/prefix`` URLs (the ``AWS_*`` environment, as
+for :class:`fastdcp.FastS3Reader`). Works on checkpoints written by stock DCP and by fastdcp. Nothing in the checkpoint is trusted:
 ``.metadata`` goes through the restricted loader (:mod:`fastdcp.format.metadata`; ``--allow-unsafe-metadata``
 opts out for a trusted checkpoint with custom classes), data files are opened only inside the
 directory, and tensor blobs are parsed by :func:`fastdcp.format.blob_parse.parse_tensor_blob` (headers only,
@@ -28,6 +29,7 @@ import sys
 from ..format.metadata import CheckpointFormatError
 from ..objstore.location import is_object_url
 from .checkpoint import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, NotACheckpoint, open_checkpoint
+from .object_checkpoint import open_object_checkpoint
 from .convert_command import DTYPE_NAMES, ConvertOptions, parse_size, run_convert
 from .inspect_command import run_inspect
 from .verify_command import run_verify
@@ -70,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         ("verify", "check structure (metadata, files, byte ranges, blob headers); exit 0 OK, 1 damaged, 2 not a checkpoint"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("directory", metavar="DIR", help="checkpoint directory")
+        p.add_argument("directory", metavar="DIR", help="checkpoint directory, or s3://bucket/prefix")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument(
             "--allow-unsafe-metadata",
@@ -82,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Write a DCP checkpoint as .safetensors (tensors only, streamed; sharded past "
         "--max-shard-size with a model.safetensors.index.json) or .pt (a torch.save state dict).",
     )
-    convert.add_argument("directory", metavar="SRC", help="checkpoint directory")
+    convert.add_argument("directory", metavar="SRC", help="checkpoint directory, or s3://bucket/prefix")
     convert.add_argument("destination", metavar="DST", help="output file: *.safetensors, *.pt or *.pth")
     convert.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="cast floating-point tensors to this dtype")
     convert.add_argument("--keys", metavar="REGEX", help="keep only the (flattened) keys this matches (re.search)")
@@ -124,12 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert":
         return _convert(args)
     directory = args.directory
-    if is_object_url(directory):
-        print(f"error: {args.command} reads local checkpoint directories only, not yet {directory} "
-              "(fastdcp.open and `python -m fastdcp convert` take s3:// URLs)", file=sys.stderr)
-        return EXIT_USAGE
     try:
-        ckpt = open_checkpoint(directory, args.allow_unsafe_metadata)
+        opener = open_object_checkpoint if is_object_url(directory) else open_checkpoint
+        ckpt = opener(directory, args.allow_unsafe_metadata)
     except NotACheckpoint as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

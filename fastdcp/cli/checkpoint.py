@@ -4,6 +4,7 @@ nothing trusted and no tensor data read."""
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,12 +102,45 @@ def pad_marker(head: bytes) -> bytes | None:
     return None
 
 
+class LocalFiles:
+    """Where a checkpoint directory's bytes come from: files, read with ``pread`` and, for the
+    checksum pass, the native engine. :class:`fastdcp.cli.object_checkpoint.ObjectFiles` is the same
+    surface over an ``s3://`` prefix."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def open_data_file(self, relative_path: str, entry: Any) -> DataFile:
+        return DataFile(self.directory, relative_path, entry)
+
+    def checksum_reader(self, data_files: dict[str, DataFile], options: Any) -> tuple[Any, dict[str, Any]]:
+        """(an engine, ``{relative path: file}``) reading ``data_files`` (opened, without errors) for
+        :func:`fastdcp.load.verify.verify_checksums`; the caller closes the files."""
+        from .. import _C
+        from ..io.engine import get_engine
+
+        return get_engine(options), {rel: _C.File(f.path, "r", False) for rel, f in data_files.items()}
+
+    def data_file_names(self) -> list[str]:
+        """Every ``.distcp`` file in the directory (regular files only); [] when it cannot be listed."""
+        try:
+            return [n for n in os.listdir(self.directory)
+                    if n.endswith(".distcp") and stat.S_ISREG(os.lstat(os.path.join(self.directory, n)).st_mode)]
+        except OSError:
+            return []
+
+
 @dataclass
 class Checkpoint:
-    directory: str
+    directory: str  # a local directory or an s3:// URL
     metadata_files: list[str]
     metadata: list[Any]  # one per metadata file
-    files: dict[str, DataFile] = field(default_factory=dict)
+    source: Any = None  # LocalFiles or ObjectFiles (LocalFiles of ``directory`` when not given)
+    files: dict[str, Any] = field(default_factory=dict)  # DataFile or ObjectDataFile
+
+    def __post_init__(self) -> None:
+        if self.source is None:
+            self.source = LocalFiles(self.directory)
 
     def storage_items(self) -> list[tuple[Any, Any]]:
         items = []
@@ -118,7 +152,7 @@ class Checkpoint:
         for index, info in self.storage_items():
             rel = info.relative_path
             if rel not in self.files:
-                self.files[rel] = DataFile(self.directory, rel, index)
+                self.files[rel] = self.source.open_data_file(rel, index)
 
     def close(self) -> None:
         for f in self.files.values():
@@ -142,7 +176,8 @@ def metadata_files(directory: str) -> list[str]:
 
 
 def open_checkpoint(directory: str, allow_unsafe: bool) -> Checkpoint:
-    """Raises NotACheckpoint, or CheckpointFormatError for damaged metadata."""
+    """A local checkpoint directory (``s3://`` URLs: :mod:`fastdcp.cli.object_checkpoint`). Raises
+    NotACheckpoint, or CheckpointFormatError for damaged metadata."""
     names = metadata_files(directory)
     metadata = []
     for name in names:

@@ -27,7 +27,6 @@ A progress line is drawn only when stderr is a terminal.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
 from typing import Any
 
@@ -57,14 +55,7 @@ def run_inspect(ckpt: Checkpoint, as_json: bool) -> int:
         for rel, f in sorted(ckpt.files.items(), key=lambda kv: str(kv[0]))
     ]
     referenced = set(ckpt.files)
-    try:
-        others = sorted(
-            n
-            for n in os.listdir(ckpt.directory)
-            if n.endswith(".distcp") and n not in referenced and stat.S_ISREG(os.lstat(os.path.join(ckpt.directory, n)).st_mode)
-        )
-    except OSError:
-        others = []
+    others = sorted(n for n in ckpt.source.data_file_names() if n not in referenced)
     total = sum(f["size"] or 0 for f in files)
     md0 = ckpt.metadata[0]
     report = {

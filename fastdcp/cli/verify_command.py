@@ -20,9 +20,8 @@ def _check_checksums(ckpt: Checkpoint, storage: dict, damaged: set[tuple[str, in
     """Verify the CRC-32C checksums a fastdcp writer recorded (``FastFileSystemWriter(checksums=True)``)
     for every item not already found damaged. Returns a summary line and one message per mismatch."""
     try:
-        from .. import _C
         from ..format.checksums import checksummed_items
-        from ..io.engine import IoOptions, get_engine
+        from ..io.engine import IoOptions
         from ..load.verify import verify_checksums
     except ImportError as e:  # pragma: no cover - a partial installation
         return f"checksums not checked ({e})", []
@@ -35,9 +34,10 @@ def _check_checksums(ckpt: Checkpoint, storage: dict, damaged: set[tuple[str, in
     if not recorded:
         return "no checksums recorded (tensor data bytes are not verified)", []
     options = IoOptions.resolve(direct_io=False, default_direct_io=False, io_threads=None, task_bytes=None)
-    files = {rel: _C.File(ckpt.files[rel].path, "r", False) for rel in {it.relative_path for it in items}}
+    engine, files = ckpt.source.checksum_reader({it.relative_path: ckpt.files[it.relative_path] for it in items},
+                                                options)
     try:
-        mismatches = verify_checksums(get_engine(options), files, items, options.memory_budget_bytes)
+        mismatches = verify_checksums(engine, files, items, options.memory_budget_bytes)
     finally:
         for f in files.values():
             f.close()

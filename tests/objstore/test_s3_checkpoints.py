@@ -294,12 +294,3 @@ def test_convert_from_s3_to_safetensors(bucket, tmp_path):
     dcp.save(sd, storage_writer=FastS3Writer(url), no_dist=True)
     run_convert(ConvertOptions(source=url, destination=str(tmp_path / "model.safetensors")))
     C.assert_same(load_file(str(tmp_path / "model.safetensors")), sd)
-
-
-@pytest.mark.parametrize("command", ["inspect", "verify"])
-def test_inspect_and_verify_say_they_take_local_directories_only(command, capsys):
-    from fastdcp.cli import main
-
-    assert main([command, "s3://bucket/ckpt"]) == 2
-    err = capsys.readouterr().err
-    assert f"{command} reads local checkpoint directories only" in err and "s3://bucket/ckpt" in err
