@@ -21,6 +21,7 @@ ALLOWED = {
     "planners": {"format", "io", "compat"},
     "cli": {"format", "io", "load", "objstore", "compat"},
     "objstore": {"format", "io", "save", "load", "compat"},
+    "tiered": {"format", "io", "save", "load", "objstore", "compat"},
 }
 TOP_LEVEL = {"fastdcp", "fastdcp.__main__", "fastdcp._C"}
 

@@ -49,7 +49,8 @@ from ..io.gc import gc_paused
 from ..io.write_mode import WriteMode, record_write, write_mode_for
 from .async_staging import StagingFuture, StagingReport
 from . import inflight
-from .commit import claim_token, commit_metadata, remove_partial_files, remove_unreferenced, unused_prefix
+from .commit import (CommittedMetadata, claim_token, commit_metadata, remove_partial_files, remove_unreferenced,
+                     unused_prefix)
 from .crash_points import crash_point
 from .device_ring import CudaCopier, DeviceRing, cut_ranges, write_device_images
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
@@ -202,6 +203,8 @@ class FastFileSystemWriter(FileSystemWriter):
                 "always copies the whole state"
             )
         self.staging_budget_bytes = staging_budget_bytes
+        self._written_prefix: str | None = None  # the data-file prefix this rank's last write_data used
+        self._last_commit: CommittedMetadata | None = None  # what the last finish() committed
 
     def __getstate__(self) -> dict[str, Any]:
         # Process-mode async_save pickles the writer into the background process: its staging
@@ -334,7 +337,7 @@ class FastFileSystemWriter(FileSystemWriter):
             storage_plan, fresh_token = unused_prefix(str(self.path), storage_plan, getattr(self, "rank", 0))
             if fresh_token is not None:
                 self._claimed_tokens.add(fresh_token)
-            written_prefix = storage_plan.prefix
+            written_prefix = self._written_prefix = storage_plan.prefix
             plan = dataclasses.replace(plan, storage_data=storage_plan)
             if self._stock_writes_everything():
                 return super().write_data(plan, planner)
@@ -500,6 +503,7 @@ class FastFileSystemWriter(FileSystemWriter):
             committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files)
         finally:
             self._claimed_tokens = set()  # released by commit_metadata, committed or not
+        self._last_commit = committed
         if committed.chunk_index is not None and isinstance(metadata, TableMetadata):
             # DCP broadcasts this metadata to every rank: send where to read it, not all of it.
             metadata.send_as(CommittedIndex(directory, *committed.chunk_index).reduced())

@@ -1,0 +1,101 @@
+"""The local tier of tiered checkpoints: where each checkpoint lives on the node (a directory under
+the local root, e.g. ``/dev/shm/fastdcp-tiered``), the markers the drainer leaves in it, and the
+local retention budget.
+
+Markers, in a checkpoint's local directory:
+
+* ``.drained.rank{R}``: rank R's data files are complete in the shared tier;
+* ``.durable``: the coordinator committed ``.metadata`` in the shared tier (only on its node).
+
+A local checkpoint is evicted (beyond the newest ``keep`` of the local root) only once it is
+durable: its directory holds ``.durable``, or, on a node without the coordinator's ``.metadata``,
+every rank whose files it holds has drained them. A checkpoint that never reached the shared
+tier is never evicted: it may be the only copy."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+
+from ..format.metadata import METADATA_NAME
+
+__all__ = ["DEFAULT_LOCAL_ROOT", "local_root_from", "local_directory", "mark_drained", "mark_durable",
+           "is_durable", "evict"]
+
+logger = logging.getLogger("fastdcp")
+
+DEFAULT_LOCAL_ROOT = "/dev/shm/fastdcp-tiered"
+LOCAL_ROOT_ENV = "FASTDCP_LOCAL_TIER"
+DURABLE_MARKER = ".durable"
+_DRAINED_RE = re.compile(r"^\.drained\.rank(\d+)$")
+_RANK_FILE_RE = re.compile(r"^__(\d+)_.*\.distcp$")
+
+
+def local_root_from(local_root: str | os.PathLike | None) -> str:
+    """``local_root``, else ``$FASTDCP_LOCAL_TIER``, else ``/dev/shm/fastdcp-tiered``."""
+    return os.fspath(local_root) if local_root else os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT
+
+
+def local_directory(local_root: str, checkpoint_id: str | os.PathLike) -> str:
+    """The local directory of the checkpoint whose shared location is ``checkpoint_id``: its last
+    path component and a hash of the whole location (readable, and unique per location)."""
+    text = os.fspath(checkpoint_id).rstrip("/")
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", text.rsplit("/", 1)[-1]) or "checkpoint"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    return os.path.join(local_root, f"{base}-{digest}")
+
+
+def _touch(path: str) -> None:
+    with open(path, "wb"):
+        pass
+
+
+def mark_drained(directory: str, rank: int) -> None:
+    _touch(os.path.join(directory, f".drained.rank{rank}"))
+
+
+def mark_durable(directory: str) -> None:
+    _touch(os.path.join(directory, DURABLE_MARKER))
+
+
+def is_durable(directory: str) -> bool:
+    """Whether the local checkpoint in ``directory`` may go: see the module docstring."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return False
+    if DURABLE_MARKER in names:
+        return True
+    if METADATA_NAME in names:
+        return False  # the coordinator's node: only the commit in the shared tier makes it durable
+    ranks = {int(m.group(1)) for m in map(_RANK_FILE_RE.match, names) if m}
+    drained = {int(m.group(1)) for m in map(_DRAINED_RE.match, names) if m}
+    return bool(ranks) and ranks <= drained
+
+
+def evict(local_root: str, keep: int, protect: str | None = None) -> list[str]:
+    """Remove durable local checkpoints beyond the newest ``keep`` under ``local_root`` (newest by
+    their directory's modification time), never ``protect``; returns the directories removed."""
+    try:
+        entries = [os.path.join(local_root, n) for n in os.listdir(local_root)]
+    except FileNotFoundError:
+        return []
+    dirs = []
+    for path in entries:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                dirs.append((os.stat(path).st_mtime_ns, path))
+        except FileNotFoundError:
+            continue
+    dirs.sort(reverse=True)
+    removed = []
+    for _, path in dirs[max(0, keep):]:
+        if path == protect or not is_durable(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+        logger.debug("tiered: evicted the local copy %s (durable in the shared tier)", path)
+    return removed

@@ -1,0 +1,129 @@
+"""FastTieredReader: load a tiered checkpoint from the node's local tier when it holds it whole,
+else from the shared tier.
+
+Each rank decides for itself when it reads ``.metadata``: the local copy (the directory
+:class:`fastdcp.FastTieredWriter` committed to) is used when its ``.metadata`` parses and every
+file it names is there, as after a restart on the same node, even when the drain never finished;
+otherwise the shared tier. Both tiers hold the same bytes under the same names, so ranks that
+decided differently load the same checkpoint. ``tier`` says which one this rank read."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader
+
+from ..format.metadata import METADATA_NAME
+from ..load.reader import FastFileSystemReader
+from ..objstore.client import S3Options
+from ..objstore.location import is_object_url
+from ..objstore.reader import FastS3Reader
+from . import local_tier
+
+__all__ = ["FastTieredReader"]
+
+
+def _data_files(metadata: Metadata) -> set[str]:
+    """Every data file ``metadata`` names."""
+    table = getattr(metadata, "chunk_table", None)
+    if table is not None and getattr(table, "storage", None) is not None:
+        names = set(table.storage.files)
+    else:
+        names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        names.discard(None)
+    return {str(n) for n in names}
+
+
+class FastTieredReader(StorageReader):
+    """``FastTieredReader("s3://bucket/run/step100")`` or ``FastTieredReader("/shared/run/step100")``
+    (the checkpoint's shared location, as given to :class:`fastdcp.FastTieredWriter`), with the same
+    ``local_root``. ``s3_options`` for an ``s3://`` shared tier; every other keyword is
+    :class:`fastdcp.FastFileSystemReader`'s. Attributes the chosen reader has (``last_stats``,
+    ``last_read_mode``) are read through."""
+
+    def __init__(self, path: str | os.PathLike, *, local_root: str | os.PathLike | None = None,
+                 s3_options: S3Options | None = None, **reader_kwargs: Any) -> None:
+        self.local_root = local_tier.local_root_from(local_root)
+        self.s3_options = s3_options
+        self._reader_kwargs = reader_kwargs
+        self._point_at(path)
+
+    def _point_at(self, path: str | os.PathLike) -> None:
+        self.shared_path = str(path) if is_object_url(path) else os.path.abspath(os.fspath(path))
+        self.local_path = local_tier.local_directory(self.local_root, self.shared_path)
+        self.tier: str | None = None  # "local" or "shared", once read_metadata chose
+        self._inner: StorageReader | None = None
+        self._local: FastFileSystemReader | None = None
+        self._shared: StorageReader | None = None
+
+    def _local_reader(self) -> FastFileSystemReader:
+        if self._local is None:
+            self._local = FastFileSystemReader(self.local_path, **self._reader_kwargs)
+        return self._local
+
+    def _shared_reader(self) -> StorageReader:
+        if self._shared is None:
+            if is_object_url(self.shared_path):
+                self._shared = FastS3Reader(self.shared_path, s3_options=self.s3_options, **self._reader_kwargs)
+            else:
+                self._shared = FastFileSystemReader(self.shared_path, **self._reader_kwargs)
+        return self._shared
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_object_url(checkpoint_id) or FastFileSystemReader.validate_checkpoint_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.shared_path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self._point_at(checkpoint_id)
+        for reader in (self._local, self._shared):
+            if reader is not None:
+                reader.reset()
+        self._inner, self.tier = None, None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = f"__{rank}{METADATA_NAME}" if rank is not None else METADATA_NAME
+        if os.path.isfile(os.path.join(self.local_path, name)):
+            local = self._local_reader()
+            try:
+                metadata = local.read_metadata(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - a damaged local copy: the shared tier's is the checkpoint
+                metadata = None
+            if metadata is not None and all(os.path.isfile(os.path.join(self.local_path, n))
+                                            for n in _data_files(metadata)):
+                self._inner, self.tier = local, "local"
+                return metadata
+        self._inner, self.tier = self._shared_reader(), "shared"
+        return self._inner.read_metadata(*args, **kwargs)
+
+    def _chosen(self) -> StorageReader:
+        if self._inner is None:  # DCP reads the metadata first; a caller that did not gets the shared tier
+            self._inner, self.tier = self._shared_reader(), "shared"
+        return self._inner
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._chosen().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return self._chosen().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return self._chosen().prepare_global_plan(plans)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return self._chosen().read_data(plan, planner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(f"{type(self).__name__}.{name}: no load has chosen a tier yet")
+        return getattr(inner, name)

@@ -1,0 +1,135 @@
+"""FastTieredWriter: a save committed to node-local storage at memory speed, drained to shared
+storage (a directory or ``s3://``) in the background and committed there last.
+
+``dcp.save`` (or ``async_save``'s ``upload_completion``) returns at the local commit, exactly as
+:class:`fastdcp.FastFileSystemWriter` commits into the checkpoint's local directory
+(:func:`fastdcp.tiered.local_tier.local_directory`). Then :mod:`fastdcp.tiered.drain` copies each
+rank's data files to the shared tier and the coordinator writes ``.metadata`` there once all of
+them are complete. ``writer.durable`` is the future of the last save's drain: on the coordinator it
+is done when the checkpoint is committed in the shared tier, on other ranks when this rank's files
+are there."""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import Future
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..objstore.client import S3Options
+from ..objstore.location import is_object_url
+from ..save.writer import FastFileSystemWriter
+from . import local_tier
+from .drain import LocalCommit, commit_when_drained, drain_rank_files
+from .shared_tier import SharedTier, shared_tier_for
+
+__all__ = ["FastTieredWriter", "DEFAULT_DRAIN_TIMEOUT_S"]
+
+DEFAULT_DRAIN_TIMEOUT_S = 3600.0
+_RANK_OF_FILE = re.compile(r"^__(\d+)_")
+_TOKEN_IN_NAME = re.compile(r"^__\d+_([0-9a-f]+)_")
+
+
+class FastTieredWriter(FastFileSystemWriter):
+    """``FastTieredWriter("s3://bucket/run/step100")`` or ``FastTieredWriter("/shared/run/step100")``:
+    the path is where the checkpoint must end up (the shared tier); it is first committed locally.
+
+    ``local_root``: the node-local directory the checkpoints are committed to first (default
+    ``$FASTDCP_LOCAL_TIER``, else ``/dev/shm/fastdcp-tiered``); each checkpoint gets its own
+    directory under it. ``keep_local``: local checkpoints kept once durable in the shared tier
+    (default 2; a checkpoint not yet durable is never evicted). ``drain_timeout_s``: how long the
+    coordinator waits for every rank's files to reach the shared tier before failing the drain.
+    ``s3_options``: for an ``s3://`` shared tier (default: the ``AWS_*`` environment). Every
+    other argument is :class:`fastdcp.FastFileSystemWriter`'s, for the local commit."""
+
+    def __init__(self, path: str | os.PathLike, *args: Any, local_root: str | os.PathLike | None = None,
+                 keep_local: int = 2, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                 s3_options: S3Options | None = None, **kwargs: Any) -> None:
+        if not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 0:
+            raise ValueError(f"keep_local must be an int >= 0, got {keep_local!r}")
+        if not drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {drain_timeout_s!r}")
+        self.local_root = local_tier.local_root_from(local_root)
+        self.keep_local = keep_local
+        self.drain_timeout_s = float(drain_timeout_s)
+        self.s3_options = s3_options
+        self.shared_path = self._shared_id(path)
+        super().__init__(local_tier.local_directory(self.local_root, self.shared_path), *args, **kwargs)
+        self.durable: Future | None = None
+        self._rank_drain: Future | None = None
+
+    @staticmethod
+    def _shared_id(path: str | os.PathLike) -> str:
+        return str(path) if is_object_url(path) else os.path.abspath(os.fspath(path))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_object_url(checkpoint_id) or FastFileSystemWriter.validate_checkpoint_id(checkpoint_id)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["durable"] = None  # futures stay in the process that drains
+        state["_rank_drain"] = None
+        return state
+
+    @property
+    def local_path(self) -> str:
+        """The checkpoint's directory in the local tier."""
+        return str(self.path)
+
+    @property
+    def shared_tier(self) -> SharedTier:
+        return shared_tier_for(self.shared_path, self.s3_options)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.shared_path = self._shared_id(checkpoint_id)
+            checkpoint_id = local_tier.local_directory(self.local_root, self.shared_path)
+        super().reset(checkpoint_id)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        result = super().write_data(plan, planner)
+        result.wait()  # this rank's files are complete locally (the fast path is already done)
+        prefix = self._written_prefix or ""
+        names = sorted(n for n in os.listdir(self.local_path) if prefix and n.startswith(prefix))
+        token = _token_in(prefix) or ""
+        rank = int(getattr(self, "rank", 0) or 0)
+        self._rank_drain = drain_rank_files(self.shared_tier, self.local_path, names, token, rank,
+                                            self.local_root, self.keep_local)
+        self.durable = self._rank_drain
+        return result
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)  # the local commit
+        committed = self._last_commit
+        assert committed is not None
+        index_name = committed.chunk_index[0] if committed.chunk_index else None
+        side = []
+        if index_name is not None:
+            with open(os.path.join(self.local_path, index_name), "rb") as f:
+                side.append((index_name, f.read()))
+        with open(os.path.join(self.local_path, committed.name), "rb") as f:
+            metadata_bytes = f.read()
+        data_files = frozenset(n for n in committed.files if n != index_name)
+        ranks = frozenset(int(m.group(1)) for m in map(_RANK_OF_FILE.match, data_files) if m)
+        token = next(filter(None, map(_token_in, sorted(data_files))), None) or self._save_token or ""
+        commit = LocalCommit(self.local_path, committed.name, metadata_bytes, tuple(side), data_files, token, ranks)
+        self.durable = commit_when_drained(self.shared_tier, commit, self._rank_drain, self.drain_timeout_s,
+                                           self.local_root, self.keep_local)
+
+    def wait_durable(self, timeout: float | None = None) -> None:
+        """Wait until the last save is durable in the shared tier (see the module docstring);
+        raises the drain's error, or TimeoutError."""
+        if self.durable is None:
+            raise RuntimeError("no tiered save has drained through this writer in this process")
+        self.durable.result(timeout)
+
+
+def _token_in(name: str) -> str | None:
+    """The save token in a fastdcp data file name or prefix (``__{rank}_{token}_...``)."""
+    m = _TOKEN_IN_NAME.match(name)
+    return m.group(1) if m else None
