@@ -12,7 +12,8 @@ def crash_point(phase: str) -> None:
     """Crash-test hook: with ``FASTDCP_TEST_PAUSE_AT`` naming ``phase`` (comma-separated list), note the
     phase in the file ``FASTDCP_TEST_PAUSE_NOTIFY`` (if set) and sleep ``FASTDCP_TEST_PAUSE_S``
     seconds (default 60), so a crash test can SIGKILL the process exactly there. Phases: ``plan``,
-    ``open``, ``write``, ``sync``, ``commit``, ``cleanup``, ``cleanup_mid``."""
+    ``open``, ``write``, ``sync``, ``commit``, ``cleanup``, ``cleanup_mid``, and ``drain`` (a tiered
+    save's copy of a data file to the shared tier, :mod:`fastdcp.tiered.drain`)."""
     wanted = os.environ.get("FASTDCP_TEST_PAUSE_AT")
     if not wanted or phase not in wanted.split(","):
         return

@@ -23,6 +23,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..save.crash_points import crash_point
 from . import local_tier
 from .shared_tier import SharedTier
 
@@ -133,6 +134,7 @@ def drain_rank_files(tier: SharedTier, local_directory: str, names: list[str], t
 
 def _copy_one(tier: SharedTier, local_directory: str, name: str) -> None:
     source = os.path.join(local_directory, name)
+    crash_point("drain")
     try:
         tier.put_file(source, name)
     except TieredDrainError:
@@ -190,7 +192,7 @@ def _wait_for_data_files(tier: SharedTier, commit: LocalCommit, deadline_s: floa
             return
         if time.monotonic() >= deadline:
             shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise TieredDrainError(f"cannot commit '{tier.url(commit.metadata_name)}': after {deadline_s:.0f} s, "
+            raise TieredDrainError(f"cannot commit '{tier.url(commit.metadata_name)}': after {deadline_s:g} s, "
                                       f"{len(missing)} data files never arrived in the shared tier ({shown}): did "
                                       "their rank die before its drain finished?")
         time.sleep(pause)
