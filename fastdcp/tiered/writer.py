@@ -25,6 +25,7 @@ from ..objstore.location import is_object_url
 from ..save.writer import FastFileSystemWriter
 from . import local_tier
 from .drain import LocalCommit, commit_when_drained, drain_rank_files
+from .newest import SHARED_LOCATION_FILE
 from .shared_tier import SharedTier, shared_tier_for
 
 __all__ = ["FastTieredWriter", "DEFAULT_DRAIN_TIMEOUT_S"]
@@ -94,6 +95,7 @@ class FastTieredWriter(FastFileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
         result = super().write_data(plan, planner)
         result.wait()  # this rank's files are complete locally (the fast path is already done)
+        _record_shared_location(self.local_path, self.shared_path)
         prefix = self._written_prefix or ""
         names = sorted(n for n in os.listdir(self.local_path) if prefix and n.startswith(prefix))
         token = _token_in(prefix) or ""
@@ -133,3 +135,12 @@ def _token_in(name: str) -> str | None:
     """The save token in a fastdcp data file name or prefix (``__{rank}_{token}_...``)."""
     m = _TOKEN_IN_NAME.match(name)
     return m.group(1) if m else None
+
+
+def _record_shared_location(local_directory: str, shared_path: str) -> None:
+    """Note in the local directory which shared location it is a copy of (what
+    :func:`fastdcp.tiered.newest.newest_checkpoint` finds local copies by)."""
+    path = os.path.join(local_directory, SHARED_LOCATION_FILE)
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(shared_path + "\n")

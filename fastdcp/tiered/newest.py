@@ -1,0 +1,122 @@
+"""Which tiered checkpoint a restarted job resumes from: the newest one every rank can load, from
+its node's local tier (a restart on the same nodes, also when the drain never finished) or from
+the shared tier.
+
+Candidates are the checkpoints under a shared parent (``/shared/run1`` holding ``step100``,
+``step200``, ... or ``s3://bucket/run1``) that are committed there, and those committed in this
+node's local tier whose shared location lies under that parent (each local directory records its
+shared location in ``.shared_location``). Newest means the largest number at the end of the
+checkpoint's name (``step200`` after ``step100``), then the later commit. With a process group,
+the ranks agree on the newest checkpoint every one of them can load (one all-reduce), so a copy
+only some nodes hold is passed over."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from ..format.metadata import METADATA_NAME
+from ..objstore.client import S3Options, require_obstore, store_for
+from ..objstore.location import ObjectLocation, is_object_url
+from . import local_tier
+from .reader import _data_files
+
+__all__ = ["newest_checkpoint", "SHARED_LOCATION_FILE"]
+
+SHARED_LOCATION_FILE = ".shared_location"
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def _order(checkpoint_id: str, committed_at: float) -> tuple[int, float]:
+    m = _TRAILING_NUMBER.search(checkpoint_id.rstrip("/").rsplit("/", 1)[-1])
+    return (int(m.group(1)) if m else -1, committed_at)
+
+
+def _shared_candidates(parent: str, s3_options: S3Options | None) -> dict[str, float]:
+    """{checkpoint id: commit time} of the checkpoints committed directly under ``parent``."""
+    found: dict[str, float] = {}
+    if is_object_url(parent):
+        location = ObjectLocation.parse(parent)
+        options = s3_options if s3_options is not None else S3Options()
+        obstore = require_obstore()
+        prefix = location.key("")
+        for batch in obstore.list(store_for(location, options), prefix or None):
+            for meta in batch:
+                rest = meta["path"][len(prefix):]
+                name, _, leaf = rest.partition("/")
+                if leaf == METADATA_NAME and name:
+                    found[location.url(name)] = meta["last_modified"].timestamp()
+        return found
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        path = os.path.join(parent, name, METADATA_NAME)
+        try:
+            found[os.path.join(os.path.abspath(parent), name)] = os.stat(path).st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return found
+
+
+def _local_candidates(parent: str, local_root: str) -> dict[str, float]:
+    """{checkpoint id: local commit time} of this node's local copies of checkpoints under
+    ``parent`` that hold ``.metadata``."""
+    found: dict[str, float] = {}
+    try:
+        names = os.listdir(local_root)
+    except FileNotFoundError:
+        return found
+    parent = parent.rstrip("/")
+    for name in names:
+        directory = os.path.join(local_root, name)
+        try:
+            with open(os.path.join(directory, SHARED_LOCATION_FILE)) as f:
+                shared = f.read().strip()
+            committed_at = os.stat(os.path.join(directory, METADATA_NAME)).st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if shared.rsplit("/", 1)[0] == parent:
+            found[shared] = committed_at
+    return found
+
+
+def _loadable_locally(checkpoint_id: str, local_root: str) -> bool:
+    """Whether this rank's local copy of ``checkpoint_id`` is whole (``.metadata`` and its files)."""
+    from ..io.checkpoint_files import load_metadata
+
+    directory = local_tier.local_directory(local_root, checkpoint_id)
+    try:
+        metadata = load_metadata(directory)
+    except Exception:  # noqa: BLE001 - missing or damaged: not loadable from here
+        return False
+    return all(os.path.isfile(os.path.join(directory, n)) for n in _data_files(metadata))
+
+
+def newest_checkpoint(shared_parent: str | os.PathLike, *, local_root: str | os.PathLike | None = None,
+                      s3_options: S3Options | None = None, process_group: Any = None) -> str | None:
+    """The checkpoint id (its shared location) to resume from, or None when there is none; see the
+    module docstring. With ``torch.distributed`` initialized it is a collective over
+    ``process_group`` (default: the default group; one ``all_gather_object``): call it on every
+    rank. Only the first rank lists the shared tier."""
+    import torch.distributed as dist
+
+    parent = str(shared_parent) if is_object_url(shared_parent) else os.path.abspath(os.fspath(shared_parent))
+    root = local_tier.local_root_from(local_root)
+    distributed = dist.is_available() and dist.is_initialized()
+    first = not distributed or dist.get_rank(process_group) == 0
+    shared = _shared_candidates(parent, s3_options) if first else {}
+    local = {c: t for c, t in _local_candidates(parent, root).items() if _loadable_locally(c, root)}
+    proposals = [(shared, local)]
+    if distributed:
+        proposals = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(proposals, (shared, local), group=process_group)
+    in_shared = proposals[0][0]
+    times: dict[str, float] = dict(in_shared)
+    for _, rank_local in proposals:
+        for c, t in rank_local.items():
+            times.setdefault(c, t)  # the shared commit time where both (the later one)
+    loadable = [c for c in times if all(c in in_shared or c in rank_local for _, rank_local in proposals)]
+    return max(loadable, key=lambda c: _order(c, times[c])) if loadable else None
