@@ -41,6 +41,15 @@ __all__ = [
 ]
 
 
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make the directory's entries durable (files created or renamed in it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def metadata_path(checkpoint_dir: str | os.PathLike, rank: int | None = None) -> str:
     """Where stock DCP keeps the metadata: ``.metadata``, or ``__{rank}.metadata`` for a save
     without rank coordination (``read_metadata(rank=...)``)."""

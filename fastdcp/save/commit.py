@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..format.chunk_index import metadata_facts, write_chunk_index
 from ..format.metadata import METADATA_NAME, RANK_METADATA_RE
 from ..format.metadata_emit import CHUNK_INDEX_ATTRIBUTE, write_metadata
-from ..io.checkpoint_files import load_metadata
+from ..io.checkpoint_files import fsync_directory, load_metadata
 from ..io.gc import gc_paused
 from . import inflight
 from .crash_points import crash_point
@@ -85,15 +85,6 @@ def claim_token(directory: str) -> str:
             continue
         if inflight.claim(directory, token):
             return token
-
-
-def _fsync_directory(path: str) -> None:
-    """Make the directory entries (data files, the renamed .metadata) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_quietly(path: str) -> None:
@@ -192,7 +183,7 @@ def commit_metadata(
     chunk_index = None
     try:
         if sync:
-            _fsync_directory(directory)  # the data files' entries, before anything names them
+            fsync_directory(directory)  # the data files' entries, before anything names them
         table = getattr(metadata, "chunk_table", None)
         if table is not None and table.storage is not None:
             index_name = f"{metadata_name}.{token}.index"
@@ -229,7 +220,7 @@ def commit_metadata(
                 inflight.release(directory, owned)
         raise
     if sync:
-        _fsync_directory(directory)  # the commit is durable before anything old is removed
+        fsync_directory(directory)  # the commit is durable before anything old is removed
     for owned in tokens:  # after the rename: see the module docstring for why not before
         inflight.release(directory, owned)
     logger.debug("committed %s in %s (%d data files)", metadata_name, directory, len(new_files))

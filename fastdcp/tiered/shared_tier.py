@@ -15,6 +15,7 @@ import secrets
 import shutil
 from typing import Any, Protocol
 
+from ..io.checkpoint_files import fsync_directory
 from ..objstore.client import S3Options, object_error, require_obstore, store_for
 from ..objstore.commit import object_exists, read_object
 from ..objstore.location import ObjectLocation, is_object_url
@@ -46,14 +47,6 @@ class SharedTier(Protocol):
         """Delete what exists of ``names`` (best effort: errors are the caller's to ignore)."""
 
 
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class DirectoryTier:
     """A directory on a shared file system (NFS, Lustre, a second local disk)."""
 
@@ -82,7 +75,7 @@ class DirectoryTier:
             except OSError:
                 pass
             raise
-        _fsync_directory(self.path)
+        fsync_directory(self.path)
 
     def put_file(self, local_path: str, name: str) -> None:
         def copy(out: Any) -> None:

@@ -49,14 +49,18 @@ def _state(seed: int, mib: float = 1.0) -> dict:
             "scalar": torch.tensor(float(seed)), "step": seed}
 
 
+def _zeros_like(state: dict) -> dict:
+    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in state.items()}
+
+
 def _stock_load(path, like: dict) -> dict:
-    dest = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in like.items()}
+    dest = _zeros_like(like)
     dcp.load(dest, storage_reader=FileSystemReader(str(path)), no_dist=True)
     return dest
 
 
 def _tiered_load(shared, local_root, like: dict) -> tuple[dict, str]:
-    dest = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in like.items()}
+    dest = _zeros_like(like)
     reader = FastTieredReader(shared, local_root=local_root)
     dcp.load(dest, storage_reader=reader, no_dist=True)
     return dest, reader.tier
@@ -284,11 +288,12 @@ def test_a_tiered_checkpoint_in_s3_loads_with_stock_fsspec_and_from_either_tier(
     writer = FastTieredWriter(url, local_root=local_root)
     dcp.save(state, storage_writer=writer, no_dist=True)
     writer.wait_durable(60)
-    dest = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in state.items()}
+    dest = _zeros_like(state)
     dcp.load(dest, storage_reader=FsspecReader(url, endpoint_url=s3_env.endpoint), no_dist=True)
     C.assert_same(dest, state)
     loaded, tier = _tiered_load(url, local_root, state)
     assert tier == "local"
+    C.assert_same(loaded, state)
     shutil.rmtree(writer.local_path)
     loaded, tier = _tiered_load(url, local_root, state)
     assert tier == "shared"
