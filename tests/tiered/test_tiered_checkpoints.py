@@ -325,3 +325,41 @@ def test_an_unreachable_s3_shared_tier_fails_the_drain_naming_the_object(bucket,
     loaded, tier = _tiered_load(f"{url}/step1", local_root, old)  # the last durable one, from S3
     assert tier == "shared"
     C.assert_same(loaded, old)
+
+
+def test_process_mode_async_saves_drain_from_dcps_checkpoint_process(tmp_path, local_root):
+    """dcp.async_save in process mode: the writer travels to DCP's checkpoint process, which commits
+    locally and drains; the trainer sees the local commit, and the shared commit appears."""
+    shared = tmp_path / "run"
+    code = textwrap.dedent(f"""
+        import datetime, sys, time, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        sys.path[:0] = [{str(REPO / "tests" / "tiered")!r}, {str(REPO / "tests")!r}, {str(REPO)!r}]
+        from test_tiered_checkpoints import _state
+        from fastdcp import FastTieredWriter
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=120))
+        writer = FastTieredWriter({str(shared / "step0")!r}, local_root={str(local_root)!r}, async_staging=True)
+        for step in range(2):
+            state = _state(40 + step)
+            result = dcp.async_save(state, storage_writer=writer, checkpoint_id={str(shared)!r} + f"/step{{step}}",
+                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            staged = getattr(result, "staging_completion", None)
+            if staged is not None:
+                staged.result()  # what fastdcp.guard waits for before the optimizer step
+            state["w"].add_(1)
+            getattr(result, "upload_completion", result).result()
+        deadline = time.monotonic() + 120
+        import os
+        while not all(os.path.exists({str(shared)!r} + f"/step{{s}}/.metadata") for s in range(2)):
+            assert time.monotonic() < deadline, "the shared commits never appeared"
+            time.sleep(0.05)
+        print("DRAINED", flush=True)
+        dist.destroy_process_group()
+        import os as _os; _os._exit(0)  # DCP's checkpoint process is torn down with the interpreter
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MASTER_ADDR="127.0.0.1"),
+                          capture_output=True, text=True, timeout=300)
+    assert "DRAINED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-5000:]
+    for step in range(2):
+        C.assert_same(_stock_load(shared / f"step{step}", _state(40 + step)), _state(40 + step))
