@@ -7,7 +7,7 @@ storage (a directory or ``s3://``) in the background and committed there last.
 rank's data files to the shared tier and the coordinator writes ``.metadata`` there once all of
 them are complete. ``writer.durable`` is the future of the last save's drain: on the coordinator it
 is done when the checkpoint is committed in the shared tier, on other ranks when this rank's files
-are there."""
+are there. The coordinator's is set at its local commit (None until then)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class FastTieredWriter(FastFileSystemWriter):
         super().__init__(local_tier.local_directory(self.local_root, self.shared_path), *args, **kwargs)
         self.durable: Future | None = None
         self._rank_drain: Future | None = None
+        self._commits = True  # whether this rank's finish() commits (see set_up_storage_writer)
 
     @staticmethod
     def _shared_id(path: str | os.PathLike) -> str:
@@ -92,6 +93,17 @@ class FastTieredWriter(FastFileSystemWriter):
             checkpoint_id = local_tier.local_directory(self.local_root, self.shared_path)
         super().reset(checkpoint_id)
 
+    def stage(self, state_dict: dict[str, Any]) -> Any:
+        self.durable = None  # async_save stages in the caller: from here on, durable is the new save's
+        return super().stage(state_dict)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.durable = None
+        # The coordinator's (and, in a rank-local save, every rank's) durable future is the shared
+        # commit, known only once finish() ran.
+        self._commits = bool(is_coordinator) or not kwargs.get("use_collectives", True)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
         result = super().write_data(plan, planner)
         result.wait()  # this rank's files are complete locally (the fast path is already done)
@@ -102,7 +114,7 @@ class FastTieredWriter(FastFileSystemWriter):
         rank = int(getattr(self, "rank", 0) or 0)
         self._rank_drain = drain_rank_files(self.shared_tier, self.local_path, names, token, rank,
                                             self.local_root, self.keep_local)
-        self.durable = self._rank_drain
+        self.durable = None if self._commits else self._rank_drain
         return result
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -127,7 +139,8 @@ class FastTieredWriter(FastFileSystemWriter):
         """Wait until the last save is durable in the shared tier (see the module docstring);
         raises the drain's error, or TimeoutError."""
         if self.durable is None:
-            raise RuntimeError("no tiered save has drained through this writer in this process")
+            raise RuntimeError("no tiered save has been committed locally through this writer in this process "
+                               "(wait for dcp.save to return, or for async_save's upload_completion)")
         self.durable.result(timeout)
 
 
