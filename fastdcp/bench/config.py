@@ -15,7 +15,7 @@ from .systems import ASYNC_VARIANT_NAMES, SYSTEM_NAMES, standin_requested
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "async_first", "train_loop",
-                 "concurrency", "convert", "plan_scale", "s3")
+                 "tiered", "concurrency", "convert", "plan_scale", "s3")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async", "gpu_async_new_writer")
 # In no default list: the box copy alone (GPU kernel, or the CPU engine where there is no GPU).
 EXTRA_SCENARIOS = ("box_copy",)
@@ -82,6 +82,7 @@ class BenchConfig:
     train_step_ms: float = 100.0            # train_loop: the batch is calibrated to this step time
     train_batch: int | None = None          # train_loop: fixed batch instead of calibrating
     train_wheres: list[str] = field(default_factory=lambda: ["dir"])
+    local_tier: str = "/dev/shm"            # tiered: where the local tier's directories go (node-local)
     plan_ranks: list[int] = field(default_factory=lambda: [256, 1024, 4096])   # plan_scale: simulated N
     plan_budget_s: float = 600.0            # plan_scale: most seconds to build every rank's load plan
     s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and/or fastdcp_overlap (FastFileSystemWriter(async_staging=True)); default none")
     p.add_argument("--async-wheres", type=_csv, help="targets of the async scenarios (default dir,shm; quick dir)")
     p.add_argument("--train-devices", type=_csv,
-                   help="train_loop: cpu and/or cuda (default cpu, and cuda when available)")
+                   help="train_loop and tiered: cpu and/or cuda (default cpu, and cuda when available)")
     p.add_argument("--reshard-device", choices=("cpu", "cuda"),
                    help="reshard: where the loading ranks' DTensors live (default cpu; cuda: one GPU "
                         "shared by the ranks when there is only one)")
@@ -169,13 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reshard stages from ws2 (save Shard(0)@2, load Shard(1)@2), ws1 (load whole at "
                         "world size 1), ws4 (load Shard(0)@4); default ws2,ws4")
     p.add_argument("--train-steps", type=int,
-                   help="train_loop: training steps per loop (default 24, quick 12)")
+                   help="train_loop and tiered: training steps per loop (default 24, quick 12)")
     p.add_argument("--train-every", type=int,
-                   help="train_loop: an async_save every N steps (default 4, quick 3)")
+                   help="train_loop and tiered: an async_save every N steps (default 4, quick 3)")
     p.add_argument("--train-step-ms", type=float,
-                   help="train_loop: step time the batch is calibrated to (default 100)")
+                   help="train_loop and tiered: step time the batch is calibrated to (default 100)")
     p.add_argument("--train-batch", type=int,
-                   help="train_loop: this batch instead of calibrating one (min 2)")
+                   help="train_loop and tiered: this batch instead of calibrating one (min 2)")
+    p.add_argument("--local-tier",
+                   help="tiered: the node-local directory the local tier goes in (default /dev/shm); the shared "
+                        "tier is a directory under --dir")
     p.add_argument("--plan-ranks", type=lambda text: [int(t) for t in _csv(text)],
                    help="plan_scale: simulated rank counts N, each >= 2 (default 256,1024,4096; quick 4,16)")
     p.add_argument("--plan-budget", type=float,
@@ -287,6 +291,8 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.async_wheres = a.async_wheres
     if a.reshard_device:
         c.reshard_device = a.reshard_device
+    if a.local_tier:
+        c.local_tier = a.local_tier
     if a.reshard_stages:
         bad = [st for st in a.reshard_stages if st not in RESHARD_STAGES]
         if bad or (any(st != "ws2" for st in a.reshard_stages) and a.reshard_stages[0] != "ws2"):

@@ -40,7 +40,7 @@ BASELINE_POLICY = (
 
 # Scenarios reported in a table of their own instead of the GiB/s table (their rows are times
 # and slowdowns, for which GiB/s means nothing).
-OWN_TABLE_SCENARIOS = ("train_loop", "concurrency", "plan_scale")
+OWN_TABLE_SCENARIOS = ("train_loop", "tiered", "concurrency", "plan_scale")
 
 
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:

@@ -30,6 +30,7 @@ from .plan_scale import run_plan_scale
 from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
 from .training_loop import run_train_loop
+from .tiered import GROUP as TIERED_GROUP, run_tiered, tiered_lines
 from .box_copy import run_box_copy
 from .raw_io import RAW_IO
 from .storages import MountedStorage, StorageUnavailable, image_bytes_for, mount_storage
@@ -43,7 +44,7 @@ _NO_LOCAL_STORAGE = frozenset({"s3", "plan_scale", "box_copy"})
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.
 SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
                     "convert": run_convert, "plan_scale": run_plan_scale, "box_copy": run_box_copy,
-                    "s3": run_s3}
+                    "s3": run_s3, "tiered": run_tiered}
 
 
 def _banner(lines: list[str]) -> None:
@@ -157,6 +158,9 @@ def _run(cfg: BenchConfig, ctx: Context) -> int:
         elif scen == "train_loop":
             SCENARIO_RUNNERS[scen](ctx, [w for w in c.train_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "train")
+        elif scen == "tiered":
+            SCENARIO_RUNNERS[scen](ctx, ["dir"])  # the shared tier: a directory on the disk
+            _release(ctx, TIERED_GROUP)
         elif scen in ASYNC_SCENARIOS:
             SCENARIO_RUNNERS[scen](ctx, [w for w in c.async_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "async")
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = header_lines(machine, limits, cold, ctx.notes, standin)
         print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",
                       *peer_lines(results), "", *storage_lines(results, limits), "",
-                      *reader_stats_lines(results), "", *train_loop_lines(results), "",
+                      *reader_stats_lines(results), "", *train_loop_lines(results), "", *tiered_lines(results), "",
                       *concurrency_lines(results), "", *plan_scale_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)

@@ -2,7 +2,8 @@
 commits it there, with no collective on the training path.
 
 * Every rank copies its own data files (its part of the save, known when its ``write_data``
-  returns) on the process's copy threads, then marks them drained locally.
+  returns) on a drain thread, through the native engine as a save writes
+  (:meth:`fastdcp.tiered.shared_tier.DirectoryTier.put_files`), then marks them drained locally.
 * The coordinator, once it committed locally, waits until every data file the metadata names is
   complete in the shared tier (each arrives whole: :mod:`fastdcp.tiered.shared_tier`), copies the
   chunk index, and writes ``.metadata`` there last: the shared commit. Until then the shared tier
@@ -30,7 +31,7 @@ from .shared_tier import SharedTier
 __all__ = ["TieredDrainError", "TieredDrainWarning", "LocalCommit", "drain_rank_files", "commit_when_drained",
            "failure_marker"]
 
-COPY_THREADS = 4
+COPY_THREADS = 2  # each drain job is one rank's files, written by the engine's own threads
 POLL_START_S, POLL_MAX_S = 0.02, 1.0
 
 
@@ -90,69 +91,62 @@ def _report(error: BaseException) -> None:
 
 def drain_rank_files(tier: SharedTier, local_directory: str, names: list[str], token: str, rank: int,
                      local_root: str, keep_local: int) -> Future:
-    """Copy this rank's ``names`` from ``local_directory`` to the shared tier (their own copy
-    threads, concurrently); the future is done when all are complete there."""
-    pools = _get_pools()
-    copies = [pools.copy.submit(_copy_one, tier, local_directory, name) for name in names]
-    done: Future = Future()
+    """Copy this rank's ``names`` from ``local_directory`` to the shared tier, on the process's
+    drain threads; the future is done when all are complete there (then older durable local copies
+    are evicted)."""
+    done = _get_pools().copy.submit(_drain, tier, local_directory, names, token, rank)
 
-    def finish() -> None:
-        errors = [e for e in (c.exception() for c in copies) if e is not None]
-        if errors:
-            error = errors[0]
+    def evict_after(future: Future) -> None:
+        if future.exception() is None:
             try:
-                tier.put_bytes(failure_marker(token, rank), f"rank {rank}: {error}".encode())
-            except Exception:  # noqa: BLE001 - the shared tier may be what failed; the copy error is reported
-                pass
-            _report(error)
-            done.set_exception(error)
-            return
-        try:
-            local_tier.mark_drained(local_directory, rank)
-            local_tier.evict(local_root, keep_local, protect=local_directory)
-        except OSError:
-            pass  # bookkeeping of the local tier: the shared copy is complete either way
-        done.set_result(None)
+                local_tier.evict(local_root, keep_local, protect=local_directory)
+            except OSError:
+                pass  # bookkeeping of the local tier: the shared copy is complete either way
 
-    if not copies:
-        finish()
-        return done
-    remaining = [len(copies)]
-    lock = threading.Lock()
-
-    def one_done(_: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            finish()
-
-    for c in copies:
-        c.add_done_callback(one_done)
+    done.add_done_callback(evict_after)
     return done
 
 
-def _copy_one(tier: SharedTier, local_directory: str, name: str) -> None:
-    source = os.path.join(local_directory, name)
+def _drain(tier: SharedTier, local_directory: str, names: list[str], token: str, rank: int) -> None:
     crash_point("drain")
     try:
-        tier.put_file(source, name)
-    except TieredDrainError:
-        raise
+        tier.put_files([(os.path.join(local_directory, name), name) for name in names])
     except BaseException as error:
-        raise TieredDrainError(f"cannot copy '{source}' to '{tier.url(name)}': {error}") from error
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        failure = TieredDrainError(f"cannot copy rank {rank}'s files ({shown}) from '{local_directory}' to "
+                                   f"'{tier.url()}': {error}")
+        try:
+            tier.put_bytes(failure_marker(token, rank), str(failure).encode())
+        except Exception:  # noqa: BLE001 - the shared tier may be what failed; the copy error is reported
+            pass
+        _report(failure)
+        raise failure from error
+    try:
+        local_tier.mark_drained(local_directory, rank)
+    except OSError:
+        pass  # bookkeeping of the local tier: the shared copy is complete either way
 
 
 def commit_when_drained(tier: SharedTier, commit: LocalCommit, own_drain: Future | None, deadline_s: float,
                         local_root: str, keep_local: int) -> Future:
     """The shared commit (coordinator): once every data file of ``commit`` is complete in the shared
     tier, write its side files, then ``.metadata``. Runs on the process's one commit thread, so
-    commits reach the shared tier in save order."""
-    return _get_pools().commit.submit(_commit, tier, commit, own_drain, deadline_s, local_root, keep_local)
+    commits reach the shared tier in save order. Older durable local copies are evicted once the
+    future is done (not counted in it)."""
+    done = _get_pools().commit.submit(_commit, tier, commit, own_drain, deadline_s)
+
+    def evict_after(future: Future) -> None:
+        if future.exception() is None:
+            try:
+                local_tier.evict(local_root, keep_local, protect=commit.local_directory)
+            except OSError:
+                pass
+
+    done.add_done_callback(evict_after)
+    return done
 
 
-def _commit(tier: SharedTier, commit: LocalCommit, own_drain: Future | None, deadline_s: float,
-            local_root: str, keep_local: int) -> None:
+def _commit(tier: SharedTier, commit: LocalCommit, own_drain: Future | None, deadline_s: float) -> None:
     try:
         if own_drain is not None:
             own_drain.result()
@@ -168,7 +162,6 @@ def _commit(tier: SharedTier, commit: LocalCommit, own_drain: Future | None, dea
         raise error
     try:
         local_tier.mark_durable(commit.local_directory)
-        local_tier.evict(local_root, keep_local, protect=commit.local_directory)
     except OSError:
         pass
 

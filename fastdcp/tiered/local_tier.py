@@ -76,20 +76,34 @@ def is_durable(directory: str) -> bool:
     return bool(ranks) and ranks <= drained
 
 
+def _committed_at(directory: str) -> int:
+    """When the local copy in ``directory`` was written: its newest ``.metadata`` or data file (not
+    the markers, which a late drain writes after later checkpoints were committed)."""
+    newest = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return newest
+    for name in names:
+        if name == METADATA_NAME or name.endswith(".distcp"):
+            try:
+                newest = max(newest, os.stat(os.path.join(directory, name)).st_mtime_ns)
+            except OSError:
+                continue
+    return newest
+
+
 def evict(local_root: str, keep: int, protect: str | None = None) -> list[str]:
     """Remove durable local checkpoints beyond the newest ``keep`` under ``local_root`` (newest by
-    their directory's modification time), never ``protect``; returns the directories removed."""
+    when they were written), never ``protect``; returns the directories removed."""
     try:
         entries = [os.path.join(local_root, n) for n in os.listdir(local_root)]
     except FileNotFoundError:
         return []
     dirs = []
     for path in entries:
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                dirs.append((os.stat(path).st_mtime_ns, path))
-        except FileNotFoundError:
-            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            dirs.append((_committed_at(path), path))
     dirs.sort(reverse=True)
     removed = []
     for _, path in dirs[max(0, keep):]:

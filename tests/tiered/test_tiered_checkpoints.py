@@ -130,7 +130,8 @@ def test_only_durable_local_copies_are_evicted(tmp_path):
             (d / f"__{rank}_abcd_0.distcp").write_bytes(b"x")
         for m in markers:
             (d / m).write_bytes(b"")
-        os.utime(d, (i, i))
+        for f in d.iterdir():  # written in order c0 .. c3; markers (written late) do not count
+            os.utime(f, (i, i) if not f.name.startswith(".d") else (100, 100))
     removed = local_tier.evict(str(root), keep=0)
     # c0: committed in the shared tier; c3: every rank's files drained (a node without .metadata);
     # c1 (never durable) and c2 (rank 2 not drained) stay: they may be the only copies.
@@ -161,8 +162,8 @@ def test_a_full_shared_tier_fails_the_drain_naming_the_file_and_loses_nothing(sm
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dcp.save(big, storage_writer=writer, checkpoint_id=small_tmpfs / "step2", no_dist=True)  # commits locally
-        with pytest.raises(TieredDrainError, match=r"cannot copy '.*__0_[0-9a-f]+_\d+\.distcp' to "
-                                                   rf"'{small_tmpfs}/step2/.*No space left on device"):
+        with pytest.raises(TieredDrainError, match=r"cannot copy rank 0's files \(__0_[0-9a-f]+_\d+\.distcp.*\) from "
+                                                   rf"'{local_root}/.*' to '{small_tmpfs}/step2'.*No space left on device"):
             writer.wait_durable(60)
     assert any(issubclass(w.category, TieredDrainWarning) and "No space left" in str(w.message) for w in caught)
     assert not (small_tmpfs / "step2" / ".metadata").exists()
@@ -242,10 +243,10 @@ def _two_rank_main(rank: int, store: str, shared: str, local_root: str, fail_ran
     from fastdcp.tiered import shared_tier
 
     if rank == fail_rank:
-        def refuse(self, local_path, name):
-            raise OSError(errno.EDQUOT, f"Disk quota exceeded: '{os.path.join(self.path, name)}'")
+        def refuse(self, files):
+            raise OSError(errno.EDQUOT, f"Disk quota exceeded: '{os.path.join(self.path, files[0][1])}'")
 
-        shared_tier.DirectoryTier.put_file = refuse
+        shared_tier.DirectoryTier.put_files = refuse
     with C.gloo_rank_mesh(rank, store, 2) as mesh:
         full = _state(20, 2.0)
         state = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), "b": full["b"], "step": 20}
