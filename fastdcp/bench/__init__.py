@@ -23,7 +23,7 @@ Run `python -m fastdcp.bench --quick` (a few minutes) or `python -m fastdcp.benc
 * results    result records, medians, ratios, fractions of the limits
 * report     terminal table, JSON, plot
 * box_copy   the batched box copy alone (GPU kernel or CPU engine) vs copy_ per piece
-* acceptance python -m fastdcp.bench gpu-acceptance: the GPU acceptance command (see README)
+* acceptance python -m fastdcp.bench gpu-acceptance: the GPU acceptance command (see docs/gpu.md)
 * runner     orchestration and exit codes
 """
 
