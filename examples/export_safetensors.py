@@ -1,0 +1,93 @@
+"""Export a sharded training checkpoint to one ``.safetensors`` file.
+
+Two ranks save an FSDP2 model and its optimizer with fastdcp; then
+``python -m fastdcp convert CHECKPOINT model.safetensors`` turns the checkpoint into a single
+file, streaming one tensor at a time (no process group, no model code, memory bounded by
+``--memory-budget``). ``--keys`` keeps the model's weights (drops the optimizer state) and
+``--dtype bf16`` casts them, as for publishing a model. ``safetensors.torch.load_file`` then
+reads the file, and each tensor must equal the full (unsharded) parameter cast to bfloat16.
+
+    torchrun --nproc_per_node=2 examples/export_safetensors.py --dir /tmp/export_safetensors
+
+Needs ``pip install safetensors`` for the check (the conversion itself does not). Runs on CPU with
+gloo; on a node with a GPU per rank, on the GPUs with NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from fastdcp import FastFileSystemWriter
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(16, 16)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+def init_distributed() -> str:
+    """The process group torchrun describes; returns the device the model runs on (a GPU per rank
+    when the node has enough, else the CPU)."""
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+        return "cuda"
+    dist.init_process_group("gloo")
+    return "cpu"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "fastdcp_export_safetensors"))
+    args = parser.parse_args()
+    checkpoint, exported = os.path.join(args.dir, "checkpoint"), os.path.join(args.dir, "model.safetensors")
+    device = init_distributed()
+    try:
+        torch.manual_seed(0)
+        model = ToyModel().to(device)
+        fully_shard(model, mesh=init_device_mesh(device, (dist.get_world_size(),)))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.rand(8, 16, device=device)).sum().backward()
+        optimizer.step()
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optimizer_state}, storage_writer=FastFileSystemWriter(checkpoint))
+        # The whole parameters (a collective, on every rank), in the checkpoint's key names.
+        expected = {f"model.{name}": value.full_tensor().to(torch.bfloat16).cpu() for name, value in model_state.items()}
+
+        if dist.get_rank() == 0:
+            # The export is a separate command: it needs neither the model's code nor the ranks.
+            subprocess.run([sys.executable, "-m", "fastdcp", "convert", checkpoint, exported,
+                            "--keys", r"^model\.", "--dtype", "bf16"], check=True)
+            tensors = load_file(exported)
+            if tensors.keys() != expected.keys():
+                raise RuntimeError(f"{exported} holds {sorted(tensors)}, expected {sorted(expected)}")
+            wrong = [key for key, value in expected.items() if not torch.equal(tensors[key], value)]
+            if wrong:
+                raise RuntimeError(f"{exported}: different values for {wrong}")
+            print(f"export_safetensors: OK, {len(tensors)} bfloat16 weights of a {dist.get_world_size()}-rank "
+                  f"checkpoint exported to {exported}, equal to the full parameters")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
