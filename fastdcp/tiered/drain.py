@@ -95,16 +95,21 @@ def drain_rank_files(tier: SharedTier, local_directory: str, names: list[str], t
     drain threads; the future is done when all are complete there (then older durable local copies
     are evicted)."""
     done = _get_pools().copy.submit(_drain, tier, local_directory, names, token, rank)
+    _evict_when_done(done, local_root, keep_local, local_directory)
+    return done
 
-    def evict_after(future: Future) -> None:
-        if future.exception() is None:
+
+def _evict_when_done(future: Future, local_root: str, keep_local: int, protect: str) -> None:
+    """Once ``future`` succeeded, evict older durable local copies (after it is done: a waiter on
+    it is not held up by the removal)."""
+    def evict(done: Future) -> None:
+        if done.exception() is None:
             try:
-                local_tier.evict(local_root, keep_local, protect=local_directory)
+                local_tier.evict(local_root, keep_local, protect=protect)
             except OSError:
                 pass  # bookkeeping of the local tier: the shared copy is complete either way
 
-    done.add_done_callback(evict_after)
-    return done
+    future.add_done_callback(evict)
 
 
 def _drain(tier: SharedTier, local_directory: str, names: list[str], token: str, rank: int) -> None:
@@ -134,15 +139,7 @@ def commit_when_drained(tier: SharedTier, commit: LocalCommit, own_drain: Future
     commits reach the shared tier in save order. Older durable local copies are evicted once the
     future is done (not counted in it)."""
     done = _get_pools().commit.submit(_commit, tier, commit, own_drain, deadline_s)
-
-    def evict_after(future: Future) -> None:
-        if future.exception() is None:
-            try:
-                local_tier.evict(local_root, keep_local, protect=commit.local_directory)
-            except OSError:
-                pass
-
-    done.add_done_callback(evict_after)
+    _evict_when_done(done, local_root, keep_local, commit.local_directory)
     return done
 
 
