@@ -24,35 +24,12 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from fastdcp import FastFileSystemWriter
 
-
-class ToyModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = nn.Linear(16, 16)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net2(self.relu(self.net1(x)))
-
-
-def init_distributed() -> str:
-    """The process group torchrun describes; returns the device the model runs on (a GPU per rank
-    when the node has enough, else the CPU)."""
-    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("cpu:gloo,cuda:nccl")
-        return "cuda"
-    dist.init_process_group("gloo")
-    return "cpu"
+from common import process_group, sharded_model
 
 
 def main() -> None:
@@ -60,12 +37,8 @@ def main() -> None:
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "fastdcp_export_safetensors"))
     args = parser.parse_args()
     checkpoint, exported = os.path.join(args.dir, "checkpoint"), os.path.join(args.dir, "model.safetensors")
-    device = init_distributed()
-    try:
-        torch.manual_seed(0)
-        model = ToyModel().to(device)
-        fully_shard(model, mesh=init_device_mesh(device, (dist.get_world_size(),)))
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    with process_group() as device:
+        model, optimizer = sharded_model(device, seed=0)
         model(torch.rand(8, 16, device=device)).sum().backward()
         optimizer.step()
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -85,8 +58,6 @@ def main() -> None:
                 raise RuntimeError(f"{exported}: different values for {wrong}")
             print(f"export_safetensors: OK, {len(tensors)} bfloat16 weights of a {dist.get_world_size()}-rank "
                   f"checkpoint exported to {exported}, equal to the full parameters")
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
