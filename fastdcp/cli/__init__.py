@@ -11,8 +11,8 @@
                                              an index JSON) or .pt, streamed within the budget
 
 DIR and SRC are local directories or ``s3://bucket/prefix`` URLs (the ``AWS_*`` environment, as
-for :class:`fastdcp.FastS3Reader`). Works on checkpoints written by stock DCP and by fastdcp. Nothing in the checkpoint is trusted:
-``.metadata`` goes through the restricted loader (:mod:`fastdcp.format.metadata`; ``--allow-unsafe-metadata``
+for :class:`fastdcp.FastS3Reader`). Works on checkpoints written by stock DCP and by fastdcp.
+Nothing in the checkpoint is trusted: ``.metadata`` goes through the restricted loader (:mod:`fastdcp.format.metadata`; ``--allow-unsafe-metadata``
 opts out for a trusted checkpoint with custom classes), data files are opened only inside the
 directory, and tensor blobs are parsed by :func:`fastdcp.format.blob_parse.parse_tensor_blob` (headers only,
 not tensor data).
