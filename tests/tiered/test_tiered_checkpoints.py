@@ -364,3 +364,20 @@ def test_process_mode_async_saves_drain_from_dcps_checkpoint_process(tmp_path, l
     assert "DRAINED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-5000:]
     for step in range(2):
         C.assert_same(_stock_load(shared / f"step{step}", _state(40 + step)), _state(40 + step))
+
+
+def test_durable_is_never_a_previous_saves(tmp_path, local_root):
+    writer = FastTieredWriter(tmp_path / "a", local_root=local_root)
+    with pytest.raises(RuntimeError, match="no tiered save has been committed locally"):
+        writer.wait_durable(1)
+    dcp.save(_state(50), storage_writer=writer, no_dist=True)
+    first = writer.durable
+    assert first is not None
+    writer.wait_durable(60)
+    writer.stage(_state(51))  # the next async_save starts staging: the first save's future is gone
+    assert writer.durable is None
+    writer._release_staging()
+    dcp.save(_state(52), storage_writer=writer, checkpoint_id=tmp_path / "b", no_dist=True)
+    assert writer.durable is not None and writer.durable is not first
+    writer.wait_durable(60)
+    C.assert_same(_stock_load(tmp_path / "b", _state(52)), _state(52))
