@@ -445,6 +445,20 @@ class StateDictStager:
             self._stages = []
             self._last_slab = None
 
+    def holds_memory(self, address: int, nbytes: int) -> bool:
+        """Whether ``[address, address + nbytes)`` lies inside the slab of one of this stager's stages
+        still in use (what a writer that reads staged bytes after ``write_data`` needs to know)."""
+        with self._lock:
+            for stage in self._stages:
+                slab = stage.lease.slab if stage.lease.in_use else None
+                if slab is None:
+                    continue
+                for segment in slab.segments:
+                    start = segment.data_ptr()
+                    if start <= address and address + nbytes <= start + segment.numel():
+                        return True
+        return False
+
     def _prune(self) -> None:
         self._stages = [stage for stage in self._stages if stage.active]
 

@@ -3,7 +3,9 @@ commits it there, with no collective on the training path.
 
 * Every rank copies its own data files (its part of the save, known when its ``write_data``
   returns) on a drain thread, through the native engine as a save writes
-  (:meth:`fastdcp.tiered.shared_tier.DirectoryTier.put_files`), then marks them drained locally.
+  (:meth:`fastdcp.tiered.shared_tier.DirectoryTier.put_images`): from the staged bytes while the
+  local copy is written, when the save was staged, else from the local files once they are
+  complete. Then it marks them drained locally.
 * The coordinator, once it committed locally, waits until every data file the metadata names is
   complete in the shared tier (each arrives whole: :mod:`fastdcp.tiered.shared_tier`), copies the
   chunk index, and writes ``.metadata`` there last: the shared commit. Until then the shared tier
@@ -90,11 +92,12 @@ def _report(error: BaseException) -> None:
 
 
 def drain_rank_files(tier: SharedTier, local_directory: str, names: list[str], token: str, rank: int,
-                     local_root: str, keep_local: int) -> Future:
+                     local_root: str, keep_local: int, images: list[tuple] | None = None) -> Future:
     """Copy this rank's ``names`` from ``local_directory`` to the shared tier, on the process's
     drain threads; the future is done when all are complete there (then older durable local copies
-    are evicted)."""
-    done = _get_pools().copy.submit(_drain, tier, local_directory, names, token, rank)
+    are evicted). ``images``: write these ``(name, size, segments)`` file images instead of reading
+    the local files back (the writer's staged bytes; see :mod:`fastdcp.tiered.writer`)."""
+    done = _get_pools().copy.submit(_drain, tier, local_directory, names, token, rank, images)
     _evict_when_done(done, local_root, keep_local, local_directory)
     return done
 
@@ -112,10 +115,14 @@ def _evict_when_done(future: Future, local_root: str, keep_local: int, protect: 
     future.add_done_callback(evict)
 
 
-def _drain(tier: SharedTier, local_directory: str, names: list[str], token: str, rank: int) -> None:
+def _drain(tier: SharedTier, local_directory: str, names: list[str], token: str, rank: int,
+           images: list[tuple] | None) -> None:
     crash_point("drain")
     try:
-        tier.put_files([(os.path.join(local_directory, name), name) for name in names])
+        if images is not None:
+            tier.put_images(images)
+        else:
+            tier.put_files([(os.path.join(local_directory, name), name) for name in names])
     except BaseException as error:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         failure = TieredDrainError(f"cannot copy rank {rank}'s files ({shown}) from '{local_directory}' to "

@@ -36,6 +36,11 @@ class SharedTier(Protocol):
     def put_files(self, files: list[tuple[str, str]]) -> None:
         """Copy each ``(local path, name)``, each visible only once complete and durable."""
 
+    def put_images(self, images: list[tuple[str, int, list[tuple]]]) -> None:
+        """Write each ``(name, size, segments)`` file image (the writer's sorted ``(offset, bytes)`` /
+        ``(offset, address, nbytes)`` segments, zeros in the gaps), each visible only once complete
+        and durable. Precondition: the segments' memory stays unchanged until this returns."""
+
     def put_bytes(self, name: str, data: bytes) -> None:
         """Write ``data`` as ``name`` atomically (replacing any previous one)."""
 
@@ -81,38 +86,55 @@ class DirectoryTier:
         fsync_directory(self.path)
 
     def put_files(self, files: list[tuple[str, str]]) -> None:
+        """Straight from the local files' pages (mapped, no copy in between), as :meth:`put_images`
+        writes."""
+        mappings, views, images = [], [], []
+        try:
+            for local, name in files:
+                size = os.path.getsize(local)
+                segments: list[tuple] = []
+                if size:
+                    with open(local, "rb") as source:
+                        mappings.append(mmap.mmap(source.fileno(), size, access=mmap.ACCESS_READ))
+                    views.append(memoryview(mappings[-1]))
+                    segments = [(0, views[-1])]
+                images.append((name, size, segments))
+            self.put_images(images)
+        finally:
+            for view in views:
+                view.release()
+            for mapping in mappings:
+                mapping.close()
+
+    def put_images(self, images: list[tuple[str, int, list[tuple]]]) -> None:
         """Through the native engine, as a save writes: O_DIRECT or buffered as this file system's
         learnt write mode says (:mod:`fastdcp.io.write_mode`, shared with direct saves to it), the
-        files' tasks in parallel, straight from the local files' pages (mapped, no copy in
-        between); each written as ``name.<random>.part``, fsynced, renamed into place; then one
-        directory fsync."""
+        files' tasks in parallel; each written as ``name.<random>.part``, fsynced, renamed into
+        place; then one directory fsync."""
         self._ensure_directory()
         options = IoOptions.resolve(direct_io=None, default_direct_io=True, io_threads=None, task_bytes=None)
         engine = get_engine(options)
-        sizes = [os.path.getsize(local) for local, _ in files]
-        mode = write_mode_for(self.path, options, sum(sizes))
+        total = sum(size for _, size, _ in images)
+        mode = write_mode_for(self.path, options, total)
         parts = [(f"{os.path.join(self.path, name)}.{secrets.token_hex(6)}.part", os.path.join(self.path, name))
-                 for _, name in files]
-        handles, mappings, views = [], [], []
+                 for name, _, _ in images]
+        handles = []
         try:
             jobs = []
-            for (local, _), size, (part, _) in zip(files, sizes, parts):
+            for (_, size, segments), (part, _) in zip(images, parts):
                 handle = _C.File(part, "w", mode.direct)
                 handles.append(handle)
                 if size == 0:
                     continue
                 if handle.direct:
                     handle.allocate(-(-size // DIRECT_ALIGN) * DIRECT_ALIGN)  # no extending O_DIRECT writes
-                with open(local, "rb") as source:
-                    mappings.append(mmap.mmap(source.fileno(), size, access=mmap.ACCESS_READ))
-                views.append(memoryview(mappings[-1]))
-                jobs.append((handle, 0, size, [(0, views[-1])]))
+                jobs.append((handle, 0, size, segments))
             t0 = time.perf_counter()
             engine.write(jobs)
-            for handle, size in zip(handles, sizes):
+            for handle, (_, size, _) in zip(handles, images):
                 handle.truncate(size)
             engine.sync(handles, False)
-            record_write(self.path, mode, sum(sizes), time.perf_counter() - t0, all(h.direct for h in handles))
+            record_write(self.path, mode, total, time.perf_counter() - t0, all(h.direct for h in handles))
             for handle in handles:
                 handle.close()
             for part, final in parts:
@@ -130,11 +152,6 @@ class DirectoryTier:
                 except OSError:
                     pass
             raise
-        finally:
-            for view in views:
-                view.release()
-            for mapping in mappings:
-                mapping.close()
         fsync_directory(self.path)
 
     def put_bytes(self, name: str, data: bytes) -> None:
@@ -179,6 +196,10 @@ class ObjectTier:
         already has ``concurrency`` parts in flight."""
         for local_path, name in files:
             self._put_file(local_path, name)
+
+    def put_images(self, images: list[tuple[str, int, list[tuple]]]) -> None:
+        for name, size, segments in images:
+            upload_image(self._store(), self.location, name, segments, size, self.options, self.options.concurrency)
 
     def _put_file(self, local_path: str, name: str) -> None:
         size = os.path.getsize(local_path)

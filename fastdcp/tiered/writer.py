@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..objstore.client import S3Options
 from ..objstore.location import is_object_url
+from ..save.file_image import FilePlan
 from ..save.writer import FastFileSystemWriter
 from . import local_tier
 from .drain import LocalCommit, commit_when_drained, drain_rank_files
@@ -63,6 +64,7 @@ class FastTieredWriter(FastFileSystemWriter):
         self.durable: Future | None = None
         self._rank_drain: Future | None = None
         self._commits = True  # whether this rank's finish() commits (see set_up_storage_writer)
+        self._keep_for_write_through: list | None = None  # the file images a write-through still reads
 
     @staticmethod
     def _shared_id(path: str | os.PathLike) -> str:
@@ -76,6 +78,7 @@ class FastTieredWriter(FastFileSystemWriter):
         state = super().__getstate__()
         state["durable"] = None  # futures stay in the process that drains
         state["_rank_drain"] = None
+        state["_keep_for_write_through"] = None
         return state
 
     @property
@@ -105,17 +108,61 @@ class FastTieredWriter(FastFileSystemWriter):
         self._commits = bool(is_coordinator) or not kwargs.get("use_collectives", True)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
-        result = super().write_data(plan, planner)
+        self._rank_drain = None
+        result = super().write_data(plan, planner)  # may start the write-through (_write_files)
         result.wait()  # this rank's files are complete locally (the fast path is already done)
         _record_shared_location(self.local_path, self.shared_path)
-        prefix = self._written_prefix or ""
-        names = sorted(n for n in os.listdir(self.local_path) if prefix and n.startswith(prefix))
-        token = _token_in(prefix) or ""
-        rank = int(getattr(self, "rank", 0) or 0)
-        self._rank_drain = drain_rank_files(self.shared_tier, self.local_path, names, token, rank,
-                                            self.local_root, self.keep_local)
+        if self._rank_drain is None:  # not staged: copy the local files once they are complete
+            prefix = self._written_prefix or ""
+            names = sorted(n for n in os.listdir(self.local_path) if prefix and n.startswith(prefix))
+            self._rank_drain = drain_rank_files(self.shared_tier, self.local_path, names, _token_in(prefix) or "",
+                                                self._rank(), self.local_root, self.keep_local)
         self.durable = None if self._commits else self._rank_drain
         return result
+
+    def _rank(self) -> int:
+        return int(getattr(self, "rank", 0) or 0)
+
+    def _write_files(self, files: list[FilePlan], options: Any) -> None:
+        """The local write; and when every byte of the images is in a staged slab (``async_save``
+        staged it, nothing streamed from live memory, no GPU bytes), the same images written to
+        the shared tier at the same time, so that durability there does not wait for the local copy
+        to be complete and then read back. The slab stays leased until that write is done."""
+        if self._staged_images(files):
+            prefix = self._written_prefix or ""
+            images = [(os.path.basename(f.path), f.size, f.segments) for f in files]
+            self._rank_drain = drain_rank_files(
+                self.shared_tier, self.local_path, [name for name, _, _ in images], _token_in(prefix) or "",
+                self._rank(), self.local_root, self.keep_local, images=images)
+            self._keep_for_write_through = files  # their keep_alive holds the staged views
+        super()._write_files(files, options)
+
+    def _staged_images(self, files: list[FilePlan]) -> bool:
+        stager = self._stager
+        if stager is None or not files:
+            return False
+        for f in files:
+            if f.device_segments:
+                return False
+            for segment in f.segments:
+                if len(segment) == 3 and segment[2] and not stager.holds_memory(segment[1], segment[2]):
+                    return False  # live memory (a sync save, or a streamed tensor): it may change
+        return True
+
+    def _release_staging(self, planner: SavePlanner | None = None) -> None:
+        drain = self._rank_drain
+        if drain is not None and not drain.done() and getattr(self, "_keep_for_write_through", None) is not None:
+            release = super()._release_staging
+            files, self._keep_for_write_through = self._keep_for_write_through, None
+
+            def after_write_through(_: Future) -> None:
+                release(planner)
+                files.clear()
+
+            drain.add_done_callback(after_write_through)
+            return
+        self._keep_for_write_through = None
+        super()._release_staging(planner)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)  # the local commit

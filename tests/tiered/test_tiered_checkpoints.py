@@ -381,3 +381,55 @@ def test_durable_is_never_a_previous_saves(tmp_path, local_root):
     assert writer.durable is not None and writer.durable is not first
     writer.wait_durable(60)
     C.assert_same(_stock_load(tmp_path / "b", _state(52)), _state(52))
+
+
+def test_staged_saves_write_the_shared_tier_from_the_slab_and_keep_it_until_done(tmp_path, local_root, monkeypatch):
+    """async_save with staging writes the shared copy from the staged slab while the local copy is
+    written (not read back from the local tier), and the slab is not refilled by the next save
+    before that write is done: four saves in a row, each drain held back, every shared copy exact."""
+    from fastdcp.tiered import shared_tier
+
+    def no_read_back(self, files):
+        raise AssertionError("a staged save read its local files back")
+
+    monkeypatch.setattr(shared_tier.DirectoryTier, "put_files", no_read_back)
+    monkeypatch.setenv("FASTDCP_TEST_PAUSE_AT", "drain")
+    monkeypatch.setenv("FASTDCP_TEST_PAUSE_S", "0.4")  # each drain starts late: the next save stages meanwhile
+    writer = FastTieredWriter(tmp_path / "0", local_root=local_root, keep_local=4, async_staging=True)
+    expected, durables = [], []
+    state = _state(60, 2.0)
+    for step in range(4):
+        expected.append(C.deepcopy_state_dict(state))
+        result = dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / str(step), no_dist=True)
+        result.staging_completion.result()
+        state["w"].add_(1)
+        state["b"].add_(1)
+        result.upload_completion.result()  # committed locally; the shared copy is still being written
+        durables.append(writer.durable)
+    for step, future in enumerate(durables):
+        future.result(60)
+        C.assert_same(_stock_load(tmp_path / str(step), expected[step]), expected[step])
+
+
+def test_a_sync_save_drains_from_the_local_copy(tmp_path, local_root, monkeypatch):
+    """dcp.save reads live tensors, which training changes once it returns: the shared copy is
+    made from the committed local files."""
+    from fastdcp.tiered import shared_tier
+
+    def no_live_images(self, images):
+        raise AssertionError("a sync save wrote the shared tier from live memory")
+
+    monkeypatch.setattr(shared_tier.DirectoryTier, "put_images", no_live_images)
+    monkeypatch.setattr(shared_tier.DirectoryTier, "put_files", _put_files_via_copy)
+    state = _state(61)
+    writer = FastTieredWriter(tmp_path / "s", local_root=local_root)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    writer.wait_durable(60)
+    C.assert_same(_stock_load(tmp_path / "s", state), state)
+
+
+def _put_files_via_copy(self, files):
+    """DirectoryTier.put_files without put_images (which the test above refuses)."""
+    os.makedirs(self.path, exist_ok=True)
+    for local, name in files:
+        shutil.copyfile(local, os.path.join(self.path, name))
