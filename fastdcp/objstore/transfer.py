@@ -10,6 +10,7 @@ each response is copied straight into its destinations (``_C.scatter``, GIL rele
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .. import _C
-from .client import ObjectStoreError, S3Options, object_error, require_obstore
+from .client import ObjectAccessError, ObjectNotFoundError, ObjectStoreError, S3Options, object_error, require_obstore
 from .location import ObjectLocation
 
 __all__ = ["ObjectFile", "ObjectReadEngine", "upload_image", "delete_objects", "COALESCE_GAP", "transfer_pool",
@@ -131,18 +132,27 @@ def _offset_dest(dest: Any, pos: int) -> Any:
     return memoryview(dest).cast("B")[pos:] if pos else dest
 
 
+def _range_not_satisfiable(error: BaseException) -> bool:
+    """Whether a ranged GET failed because the range starts past the object's end (HTTP 416). Not
+    a bare "416" anywhere in the text: the endpoint's port or a request id can hold those digits
+    (a missing object behind port 41623 once read as a truncated one)."""
+    text = str(error)
+    return "InvalidRange" in text or "Range Not Satisfiable" in text or re.search(r"(?<![\w.:])416(?![\w.])", text) is not None
+
+
 def _fetch(request: _Request) -> None:
     obstore = require_obstore()
     file = request.file
     try:
         data = obstore.get_range(file.store, file.key, start=request.start, end=request.end)
     except Exception as error:  # noqa: BLE001 - translated, naming the object
-        if "416" in str(error) or "InvalidRange" in str(error):  # the range starts past the end
+        translated = object_error(error, file.path, f"reading bytes {request.start}-{request.end} of", file.options)
+        if not isinstance(translated, (ObjectNotFoundError, ObjectAccessError)) and _range_not_satisfiable(error):
             raise EOFError(
                 f"{file.path}: the object ends before byte {request.start}: it is shorter than the checkpoint's "
                 "metadata says (truncated or replaced)"
             ) from None
-        raise object_error(error, file.path, f"reading bytes {request.start}-{request.end} of", file.options) from error
+        raise translated from error
     if len(data) != request.end - request.start:
         raise EOFError(
             f"{file.path}: the object ends before byte {request.end} (got {len(data)} of {request.end - request.start} "

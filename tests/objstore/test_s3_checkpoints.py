@@ -294,3 +294,14 @@ def test_convert_from_s3_to_safetensors(bucket, tmp_path):
     dcp.save(sd, storage_writer=FastS3Writer(url), no_dist=True)
     run_convert(ConvertOptions(source=url, destination=str(tmp_path / "model.safetensors")))
     C.assert_same(load_file(str(tmp_path / "model.safetensors")), sd)
+
+
+def test_a_missing_object_behind_a_port_with_416_in_it_is_not_read_as_a_truncated_one():
+    """A ranged GET's 404 names the endpoint, whose port can hold the digits 416 (41623 once made
+    a deleted object read as a truncated one); only a real 416 / InvalidRange is "truncated"."""
+    from fastdcp.objstore.transfer import _range_not_satisfiable
+
+    assert not _range_not_satisfiable(Exception("Generic S3 error: 404 Not Found at http://127.0.0.1:41623/b/k"))
+    assert not _range_not_satisfiable(Exception("request id 4A416B, status 404"))
+    assert _range_not_satisfiable(Exception("Client error with status 416 Range Not Satisfiable"))
+    assert _range_not_satisfiable(Exception("<Error><Code>InvalidRange</Code></Error>"))
