@@ -55,6 +55,14 @@ class SharedTier(Protocol):
         """Delete what exists of ``names`` (best effort: errors are the caller's to ignore)."""
 
 
+def _unlink_quietly(path: str) -> None:
+    """Remove a part file of a failed write (the write's own error is the one to report)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 class DirectoryTier:
     """A directory on a shared file system (NFS, Lustre, a second local disk)."""
 
@@ -78,10 +86,7 @@ class DirectoryTier:
                 os.fsync(f.fileno())
             os.replace(part, final)
         except BaseException:
-            try:
-                os.unlink(part)
-            except OSError:
-                pass
+            _unlink_quietly(part)
             raise
         fsync_directory(self.path)
 
@@ -147,10 +152,7 @@ class DirectoryTier:
                     except OSError:
                         pass  # the original error is the one to report
             for part, _ in parts:
-                try:
-                    os.unlink(part)
-                except OSError:
-                    pass
+                _unlink_quietly(part)
             raise
         fsync_directory(self.path)
 
