@@ -445,19 +445,13 @@ class StateDictStager:
             self._stages = []
             self._last_slab = None
 
-    def holds_memory(self, address: int, nbytes: int) -> bool:
-        """Whether ``[address, address + nbytes)`` lies inside the slab of one of this stager's stages
-        still in use (what a writer that reads staged bytes after ``write_data`` needs to know)."""
+    def held_ranges(self) -> list[tuple[int, int]]:
+        """The ``[start, end)`` address ranges of the slabs of this stager's stages still in use (what a
+        writer that reads staged bytes after ``write_data`` checks its images against)."""
         with self._lock:
-            for stage in self._stages:
-                slab = stage.lease.slab if stage.lease.in_use else None
-                if slab is None:
-                    continue
-                for segment in slab.segments:
-                    start = segment.data_ptr()
-                    if start <= address and address + nbytes <= start + segment.numel():
-                        return True
-        return False
+            slabs = [stage.lease.slab for stage in self._stages if stage.lease.in_use]
+        return [(segment.data_ptr(), segment.data_ptr() + segment.numel())
+                for slab in slabs if slab is not None for segment in slab.segments]
 
     def _prune(self) -> None:
         self._stages = [stage for stage in self._stages if stage.active]

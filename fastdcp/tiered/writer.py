@@ -138,20 +138,16 @@ class FastTieredWriter(FastFileSystemWriter):
         super()._write_files(files, options)
 
     def _staged_images(self, files: list[FilePlan]) -> bool:
-        stager = self._stager
-        if stager is None or not files:
+        if self._stager is None or not files or any(f.device_segments for f in files):
             return False
-        for f in files:
-            if f.device_segments:
-                return False
-            for segment in f.segments:
-                if len(segment) == 3 and segment[2] and not stager.holds_memory(segment[1], segment[2]):
-                    return False  # live memory (a sync save, or a streamed tensor): it may change
-        return True
+        # A segment outside every held slab is live memory (a sync save's, or a streamed tensor's).
+        held = self._stager.held_ranges()
+        return all(any(start <= segment[1] and segment[1] + segment[2] <= end for start, end in held)
+                   for f in files for segment in f.segments if len(segment) == 3 and segment[2])
 
     def _release_staging(self, planner: SavePlanner | None = None) -> None:
         drain = self._rank_drain
-        if drain is not None and not drain.done() and getattr(self, "_keep_for_write_through", None) is not None:
+        if drain is not None and not drain.done() and self._keep_for_write_through is not None:
             release = super()._release_staging
             files, self._keep_for_write_through = self._keep_for_write_through, None
 
