@@ -22,7 +22,7 @@ from ..io.checkpoint_files import fsync_directory
 from ..objstore.client import S3Options, object_error, require_obstore, store_for
 from ..objstore.commit import object_exists, read_object
 from ..objstore.location import ObjectLocation, is_object_url
-from ..objstore.transfer import delete_objects, upload_image
+from ..objstore.transfer import upload_image
 
 __all__ = ["SharedTier", "DirectoryTier", "ObjectTier", "shared_tier_for"]
 
@@ -44,15 +44,10 @@ class SharedTier(Protocol):
     def put_bytes(self, name: str, data: bytes) -> None:
         """Write ``data`` as ``name`` atomically (replacing any previous one)."""
 
-    def exists(self, name: str) -> bool: ...
-
     def existing(self, names: set[str]) -> set[str]:
         """Which of ``names`` exist (one listing or one request each)."""
 
     def read_bytes(self, name: str) -> bytes: ...
-
-    def remove(self, names: list[str]) -> None:
-        """Delete what exists of ``names`` (best effort: errors are the caller's to ignore)."""
 
 
 def _unlink_quietly(path: str) -> None:
@@ -91,25 +86,7 @@ class DirectoryTier:
         fsync_directory(self.path)
 
     def put_files(self, files: list[tuple[str, str]]) -> None:
-        """Straight from the local files' pages (mapped, no copy in between), as :meth:`put_images`
-        writes."""
-        mappings, views, images = [], [], []
-        try:
-            for local, name in files:
-                size = os.path.getsize(local)
-                segments: list[tuple] = []
-                if size:
-                    with open(local, "rb") as source:
-                        mappings.append(mmap.mmap(source.fileno(), size, access=mmap.ACCESS_READ))
-                    views.append(memoryview(mappings[-1]))
-                    segments = [(0, views[-1])]
-                images.append((name, size, segments))
-            self.put_images(images)
-        finally:
-            for view in views:
-                view.release()
-            for mapping in mappings:
-                mapping.close()
+        _put_files_as_images(self, files)
 
     def put_images(self, images: list[tuple[str, int, list[tuple]]]) -> None:
         """Through the native engine, as a save writes: O_DIRECT or buffered as this file system's
@@ -159,9 +136,6 @@ class DirectoryTier:
     def put_bytes(self, name: str, data: bytes) -> None:
         self._atomic_write(name, lambda f: f.write(data))
 
-    def exists(self, name: str) -> bool:
-        return os.path.exists(os.path.join(self.path, name))
-
     def existing(self, names: set[str]) -> set[str]:
         try:
             return names & set(os.listdir(self.path))
@@ -171,13 +145,6 @@ class DirectoryTier:
     def read_bytes(self, name: str) -> bytes:
         with open(os.path.join(self.path, name), "rb") as f:
             return f.read()
-
-    def remove(self, names: list[str]) -> None:
-        for name in names:
-            try:
-                os.unlink(os.path.join(self.path, name))
-            except FileNotFoundError:
-                pass
 
 
 class ObjectTier:
@@ -194,28 +161,13 @@ class ObjectTier:
         return self.location.url(name)
 
     def put_files(self, files: list[tuple[str, str]]) -> None:
-        """One upload per file (multipart, streamed from the mapped file), one after another: each
-        already has ``concurrency`` parts in flight."""
-        for local_path, name in files:
-            self._put_file(local_path, name)
+        _put_files_as_images(self, files)
 
     def put_images(self, images: list[tuple[str, int, list[tuple]]]) -> None:
+        """One upload per file (multipart, streamed from the image's memory), one after another:
+        each already has ``concurrency`` parts in flight."""
         for name, size, segments in images:
             upload_image(self._store(), self.location, name, segments, size, self.options, self.options.concurrency)
-
-    def _put_file(self, local_path: str, name: str) -> None:
-        size = os.path.getsize(local_path)
-        with open(local_path, "rb") as f:
-            if size == 0:
-                upload_image(self._store(), self.location, name, [], 0, self.options, 1)
-                return
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    upload_image(self._store(), self.location, name, [(0, view)], size, self.options,
-                                 self.options.concurrency)
-                finally:
-                    view.release()
 
     def put_bytes(self, name: str, data: bytes) -> None:
         obstore = require_obstore()
@@ -224,17 +176,34 @@ class ObjectTier:
         except Exception as error:  # noqa: BLE001 - translated, naming the object
             raise object_error(error, self.location.url(name), "writing", self.options) from error
 
-    def exists(self, name: str) -> bool:
-        return object_exists(self._store(), self.location, name, self.options)
-
     def existing(self, names: set[str]) -> set[str]:
-        return {name for name in names if self.exists(name)}
+        return {name for name in names if object_exists(self._store(), self.location, name, self.options)}
 
     def read_bytes(self, name: str) -> bytes:
         return read_object(self._store(), self.location, name, self.options)
 
-    def remove(self, names: list[str]) -> None:
-        delete_objects(self._store(), self.location, names, self.options)
+
+
+def _put_files_as_images(tier: SharedTier, files: list[tuple[str, str]]) -> None:
+    """``tier.put_images`` of the local files, straight from their pages (mapped read-only, no copy
+    in between)."""
+    mappings, views, images = [], [], []
+    try:
+        for local, name in files:
+            size = os.path.getsize(local)
+            segments: list[tuple] = []
+            if size:
+                with open(local, "rb") as source:
+                    mappings.append(mmap.mmap(source.fileno(), size, access=mmap.ACCESS_READ))
+                views.append(memoryview(mappings[-1]))
+                segments = [(0, views[-1])]
+            images.append((name, size, segments))
+        tier.put_images(images)
+    finally:
+        for view in views:
+            view.release()
+        for mapping in mappings:
+            mapping.close()
 
 
 def shared_tier_for(checkpoint_id: str | os.PathLike, s3_options: S3Options | None = None) -> SharedTier:
