@@ -19,11 +19,12 @@ import logging
 import os
 import re
 import shutil
+from typing import Any
 
 from ..format.metadata import METADATA_NAME
 
 __all__ = ["DEFAULT_LOCAL_ROOT", "local_root_from", "local_directory", "mark_drained", "mark_durable",
-           "is_durable", "evict"]
+           "is_durable", "evict", "holds_every_file"]
 
 logger = logging.getLogger("fastdcp")
 
@@ -113,3 +114,14 @@ def evict(local_root: str, keep: int, protect: str | None = None) -> list[str]:
         removed.append(path)
         logger.debug("tiered: evicted the local copy %s (durable in the shared tier)", path)
     return removed
+
+
+def holds_every_file(directory: str, metadata: Any) -> bool:
+    """Whether ``directory`` holds every data file ``metadata`` names (a local copy that is whole)."""
+    table = getattr(metadata, "chunk_table", None)
+    if table is not None and getattr(table, "storage", None) is not None:
+        names = set(table.storage.files)
+    else:
+        names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        names.discard(None)
+    return all(os.path.isfile(os.path.join(directory, str(name))) for name in names)

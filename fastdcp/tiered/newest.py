@@ -20,7 +20,6 @@ from ..format.metadata import METADATA_NAME
 from ..objstore.client import S3Options, require_obstore, store_for
 from ..objstore.location import ObjectLocation, is_object_url
 from . import local_tier
-from .reader import _data_files
 
 __all__ = ["newest_checkpoint", "SHARED_LOCATION_FILE"]
 
@@ -92,7 +91,7 @@ def _loadable_locally(checkpoint_id: str, local_root: str) -> bool:
         metadata = load_metadata(directory)
     except Exception:  # noqa: BLE001 - missing or damaged: not loadable from here
         return False
-    return all(os.path.isfile(os.path.join(directory, n)) for n in _data_files(metadata))
+    return local_tier.holds_every_file(directory, metadata)
 
 
 def newest_checkpoint(shared_parent: str | os.PathLike, *, local_root: str | os.PathLike | None = None,

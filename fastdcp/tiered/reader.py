@@ -25,17 +25,6 @@ from . import local_tier
 __all__ = ["FastTieredReader"]
 
 
-def _data_files(metadata: Metadata) -> set[str]:
-    """Every data file ``metadata`` names."""
-    table = getattr(metadata, "chunk_table", None)
-    if table is not None and getattr(table, "storage", None) is not None:
-        names = set(table.storage.files)
-    else:
-        names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-        names.discard(None)
-    return {str(n) for n in names}
-
-
 class FastTieredReader(StorageReader):
     """``FastTieredReader("s3://bucket/run/step100")`` or ``FastTieredReader("/shared/run/step100")``
     (the checkpoint's shared location, as given to :class:`fastdcp.FastTieredWriter`), with the same
@@ -96,8 +85,7 @@ class FastTieredReader(StorageReader):
                 metadata = local.read_metadata(*args, **kwargs)
             except Exception:  # noqa: BLE001 - a damaged local copy: the shared tier's is the checkpoint
                 metadata = None
-            if metadata is not None and all(os.path.isfile(os.path.join(self.local_path, n))
-                                            for n in _data_files(metadata)):
+            if metadata is not None and local_tier.holds_every_file(self.local_path, metadata):
                 self._inner, self.tier = local, "local"
                 return metadata
         self._inner, self.tier = self._shared_reader(), "shared"
