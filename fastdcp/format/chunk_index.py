@@ -37,6 +37,7 @@ import pickle
 import struct
 import sys
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -50,7 +51,14 @@ from .metadata_emit import CHUNK_INDEX_ATTRIBUTE, _tensor_view
 
 __all__ = [
     "EDGE_BYTES",
+    "SECTION_EDGE_BYTES",
     "ChunkIndex",
+    "IndexHeader",
+    "RankSection",
+    "edge_bytes_for",
+    "has_rank_sections",
+    "read_index_header",
+    "read_rank_section",
     "write_chunk_index",
     "read_chunk_index",
     "find_chunk_index_name",
@@ -61,12 +69,25 @@ __all__ = [
 EDGE_BYTES = 64 << 10  # the .metadata's first and last bytes whose CRC-32C the index records
 _MAGIC = b"FDCPCHIX"
 _TRAILER_MAGIC = b"FDCE"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 1  # the table alone
+_SECTIONS_VERSION = 2  # the table, then the shared objects and a section per rank
 _HEADER_SIZE = 128
+SECTION_EDGE_BYTES = 4 << 10  # version 2's .metadata edges: a rank reads 8 KiB of .metadata, not 128
 # magic, version, header size, flags, width, entries, rows, metadata size, head crc, tail crc,
 # element sizes of the 6 stored columns (+2 spare), objects offset, objects length
 _HEADER = struct.Struct("<8sIIIIQQQII8sQQ")
 _TRAILER = struct.Struct("<4sI")
+# Version 2 only, after _HEADER: .metadata edge bytes, CRC-32C of the shared objects, their offset,
+# the directory's offset, the number of sections, the file's size, the shared objects' length; then
+# at _HEADER_CRC_AT the CRC-32C of the header's bytes before it (a rank reads the header alone).
+_HEADER_V2 = struct.Struct("<IIQQQQ")
+_HEADER_CRC_AT = 124
+_DIRECTORY_ENTRY = struct.Struct("<QQII")  # section offset, length, CRC-32C, 0
+_SECTION_MAGIC = b"FDRS"
+_SECTION_HEADER = struct.Struct("<4sIQII")  # magic, width, rows, files, bytes of file names
+_SECTION_FIXED = 6  # record columns before the box: entry, ordinal, file, byte offset, byte length, checksum
+_MAX_COMMON_RATIO = 64  # decompressed shared objects per compressed byte, at most (zip bombs)
+_SECTION_BLOCK_ROWS = 1 << 20  # rank rows turned into sections at once (bounds the temporaries)
 _FLAG_STORAGE = 1
 _MAX_WIDTH = 1024  # as fastdcp.format.metadata's _MAX_NDIM
 _MAX_FILE_OFFSET = 1 << 62  # as fastdcp.format.metadata: byte ranges past this cannot be real
@@ -87,6 +108,7 @@ class ChunkIndex:
     metadata_size: int
     metadata_head_crc: int
     metadata_tail_crc: int
+    edge_bytes: int = EDGE_BYTES  # the .metadata edges the two CRCs cover
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,14 +134,14 @@ def crc32c(data: Any, seed: int = 0) -> int:
     return int(_crc_engine().crc32c([(data, None, seed)])[0])
 
 
-def metadata_facts(f: BinaryIO) -> tuple[int, int, int]:
-    """(size, CRC-32C of the first ``EDGE_BYTES``, CRC-32C of the last ``EDGE_BYTES``) of a
+def metadata_facts(f: BinaryIO, edge_bytes: int = EDGE_BYTES) -> tuple[int, int, int]:
+    """(size, CRC-32C of the first ``edge_bytes``, CRC-32C of the last ``edge_bytes``) of a
     ``.metadata`` open for reading (seekable; the position is left at the end)."""
     size = f.seek(0, io.SEEK_END)
     f.seek(0)
-    head = f.read(min(size, EDGE_BYTES))
-    f.seek(max(0, size - EDGE_BYTES))
-    tail = f.read(min(size, EDGE_BYTES))
+    head = f.read(min(size, edge_bytes))
+    f.seek(max(0, size - edge_bytes))
+    tail = f.read(min(size, edge_bytes))
     return size, crc32c(head), crc32c(tail)
 
 
@@ -172,9 +194,12 @@ def write_chunk_index(
     bytes written.
 
     ``metadata_size``/``metadata_head_crc``/``metadata_tail_crc`` describe the ``.metadata``
-    this index goes with (:func:`metadata_facts` of it); ``planner_data``, ``storage_meta`` and
-    ``version`` are the ones given to ``write_metadata``. Preconditions: ``table`` is consistent
-    (as :func:`read_chunk_index` checks). Memory: one column at a time is narrowed to int32."""
+    this index goes with (:func:`metadata_facts` of it, with :func:`edge_bytes_for` ``table``);
+    ``planner_data``, ``storage_meta`` and ``version`` are the ones given to ``write_metadata``.
+    A table with storage and ``rank_rows`` gets format version 2: the shared objects and one
+    section per rank follow the table (see :func:`read_rank_section`). Preconditions: ``table``
+    is consistent (as :func:`read_chunk_index` checks). Memory: one column at a time is narrowed
+    to int32; sections are cut from blocks of ``_SECTION_BLOCK_ROWS`` rows."""
     entries, rows = len(table.fqns), table.rows
     width = int(table.offsets.shape[1]) if table.offsets.dim() == 2 else 0
     objects = pickle.dumps(
@@ -196,11 +221,22 @@ def write_chunk_index(
     for (_, t), size in zip(columns, element_sizes):
         at += _pad(at) + t.numel() * size
     objects_offset = at + _pad(at)
+    sections = _SectionWriter(table, width, dict(planner_data=planner_data, storage_meta=storage_meta,
+                                                  version=version)) if has_rank_sections(table) else None
     header = _HEADER.pack(
-        _MAGIC, _FORMAT_VERSION, _HEADER_SIZE, _FLAG_STORAGE if table.storage is not None else 0, width,
+        _MAGIC, _SECTIONS_VERSION if sections else _FORMAT_VERSION, _HEADER_SIZE,
+        _FLAG_STORAGE if table.storage is not None else 0, width,
         entries, rows, metadata_size, metadata_head_crc, metadata_tail_crc, bytes(element_sizes).ljust(8, b"\0"),
         objects_offset, len(objects),
-    ).ljust(_HEADER_SIZE, b"\0")
+    )
+    if sections is not None:
+        common_offset = objects_offset + len(objects) + _TRAILER.size
+        header += _HEADER_V2.pack(SECTION_EDGE_BYTES, crc32c(sections.common), common_offset,
+                                  *sections.layout(common_offset))
+        header += struct.pack("<I", len(sections.common))
+        assert len(header) == _HEADER_CRC_AT
+        header += struct.pack("<I", crc32c(header))
+    header = header.ljust(_HEADER_SIZE, b"\0")
 
     written = 0
     crc = 0
@@ -223,7 +259,163 @@ def write_chunk_index(
     assert written == objects_offset
     emit(objects)
     out.write(_TRAILER.pack(_TRAILER_MAGIC, crc))
-    return written + _TRAILER.size
+    written += _TRAILER.size
+    if sections is not None:
+        written += sections.write(out)
+    return written
+
+
+def has_rank_sections(table: ChunkTable) -> bool:
+    """Whether :func:`write_chunk_index` gives ``table`` per-rank sections (format version 2)."""
+    return table.storage is not None and table.rank_rows is not None and len(table.rank_rows.start) > 1
+
+
+def edge_bytes_for(table: ChunkTable) -> int:
+    """The ``.metadata`` edge length whose CRC-32C the index of ``table`` records."""
+    return SECTION_EDGE_BYTES if has_rank_sections(table) else EDGE_BYTES
+
+
+class _SectionWriter:
+    """Version 2's parts after the table: the shared objects (zlib-compressed pickle of what a
+    rank needs besides its rows), one section per rank, the directory.
+
+    A section holds the rows rank ``r`` planned in the save (``table.rank_rows``), ascending, as
+    int64 records ``entry, ordinal (the row's position in its entry), file, byte offset, byte
+    length, checksum, offsets[width], lengths[width]``, where ``file`` is a checkpoint-wide file
+    number; then the numbers and names of the files it references."""
+
+    def __init__(self, table: ChunkTable, width: int, facts: dict[str, Any]) -> None:
+        assert table.storage is not None and table.rank_rows is not None
+        self.table, self.width = table, width
+        counts = table.row_start[1:] - table.row_start[:-1]
+        common = {
+            "fqns": list(table.fqns), "properties": list(table.properties), "sizes": list(table.sizes),
+            "row_counts": counts.tolist(), "extents": _entry_extents(table), "inner_empty": _inner_empty(table),
+            **facts,
+        }
+        self.common = zlib.compress(pickle.dumps(common, protocol=4), 6)
+        start = table.rank_rows.start
+        self.ranks = len(start) - 1
+        self.counts = (start[1:] - start[:-1]).tolist()
+        # The files each rank references (a pass over the rank rows before the records are cut,
+        # so that every section's length is known when the header is written).
+        self.files_of_rank: list[list[int]] = [[] for _ in range(self.ranks)]
+        nfiles = max(1, len(table.storage.files))
+        for a, b in self._blocks():
+            lo, hi = int(start[a]), int(start[b])
+            rank_of = torch.repeat_interleave(torch.arange(a, b, dtype=torch.int64), start[a + 1:b + 1] - start[a:b])
+            files = table.storage.file_index.index_select(0, table.rank_rows.rows[lo:hi]).to(torch.int64)
+            for key in torch.unique(rank_of * nfiles + files).tolist():
+                self.files_of_rank[key // nfiles].append(key % nfiles)
+        self.names = [b"\0".join(table.storage.files[f].encode("utf-8", "surrogatepass") for f in fs)
+                      for fs in self.files_of_rank]
+
+    def _blocks(self) -> list[tuple[int, int]]:
+        blocks, a, held = [], 0, 0
+        for r, count in enumerate(self.counts):
+            held += count
+            if held >= _SECTION_BLOCK_ROWS:
+                blocks.append((a, r + 1))
+                a, held = r + 1, 0
+        if a < self.ranks:
+            blocks.append((a, self.ranks))
+        return blocks
+
+    def _record_bytes(self) -> int:
+        return 8 * (_SECTION_FIXED + 2 * self.width)
+
+    def section_length(self, r: int) -> int:
+        return (_SECTION_HEADER.size + self.counts[r] * self._record_bytes() + 8 * len(self.files_of_rank[r])
+                + len(self.names[r]))
+
+    def layout(self, common_offset: int) -> tuple[int, int, int]:
+        """(directory offset, sections, file size) for shared objects at ``common_offset``."""
+        self.sections_start = common_offset + len(self.common)
+        directory = self.sections_start + sum(self.section_length(r) for r in range(self.ranks))
+        return directory, self.ranks, directory + self.ranks * _DIRECTORY_ENTRY.size
+
+    def write(self, out: BinaryIO) -> int:
+        """Write the shared objects, the sections and the directory; the bytes written."""
+        table, storage, width = self.table, self.table.storage, self.width
+        out.write(self.common)
+        written = len(self.common)
+        entry_of_row = table.entry_of_rows()
+        start = table.rank_rows.start
+        directory: list[tuple[int, int]] = []  # (length, CRC-32C) per rank
+        for a, b in self._blocks():
+            lo, hi = int(start[a]), int(start[b])
+            rows = table.rank_rows.rows[lo:hi]
+            records = torch.empty((hi - lo, _SECTION_FIXED + 2 * width), dtype=torch.int64)
+            entries = entry_of_row.index_select(0, rows)
+            records[:, 0] = entries
+            records[:, 1] = rows - table.row_start.index_select(0, entries)
+            records[:, 2] = storage.file_index.index_select(0, rows)
+            records[:, 3] = storage.byte_offset.index_select(0, rows)
+            records[:, 4] = storage.byte_length.index_select(0, rows)
+            records[:, 5] = storage.checksums.index_select(0, rows)
+            records[:, _SECTION_FIXED:_SECTION_FIXED + width] = table.offsets.index_select(0, rows)
+            records[:, _SECTION_FIXED + width:] = table.lengths.index_select(0, rows)
+            raw_bytes = _le(records.view(-1))  # kept alive while its view is written
+            raw = _tensor_view(raw_bytes)
+            record_bytes = self._record_bytes()
+            bounds = [int(x) - lo for x in start[a:b + 1].tolist()]
+            for i, r in enumerate(range(a, b)):
+                files = self.files_of_rank[r]
+                parts = (
+                    _SECTION_HEADER.pack(_SECTION_MAGIC, width, self.counts[r], len(files), len(self.names[r])),
+                    raw[bounds[i] * record_bytes: bounds[i + 1] * record_bytes],
+                    struct.pack(f"<{len(files)}q", *files),
+                    self.names[r],
+                )
+                crc = 0
+                for part in parts:
+                    out.write(part)
+                    crc = crc32c(part, crc)
+                length = sum(len(p) for p in parts)
+                assert length == self.section_length(r)
+                directory.append((length, crc))
+                written += length
+            del records, raw, raw_bytes
+        entries_bytes = []
+        at = self.sections_start
+        for length, crc in directory:
+            entries_bytes.append(_DIRECTORY_ENTRY.pack(at, length, crc, 0))
+            at += length
+        data = b"".join(entries_bytes)
+        out.write(data)
+        return written + len(data)
+
+
+def _entry_extents(table: ChunkTable) -> list[tuple[int, ...]]:
+    """Per entry, the largest ``offset + length`` of its chunks in each dimension (what stock's
+    sweep-dimension choice reads); ``()`` for bytes entries and entries without chunks."""
+    extents: list[tuple[int, ...]] = []
+    ends = table.offsets + table.lengths
+    starts = table.row_start.tolist()
+    for e, size in enumerate(table.sizes):
+        if size is None or starts[e + 1] == starts[e] or not len(size):
+            extents.append(())
+        else:
+            extents.append(tuple(int(v) for v in ends[starts[e]:starts[e + 1], :len(size)].amax(0).tolist()))
+    return extents
+
+
+def _inner_empty(table: ChunkTable) -> list[int]:
+    """Entries with a chunk of no elements lying strictly inside its tensor in a dimension where
+    it has length 0: by stock's overlap test such a chunk overlaps boxes around it, so a rank
+    cannot plan from its own section alone (entries whose empty chunks sit at an edge, the
+    usual uneven split, are not listed)."""
+    if not table.rows:
+        return []
+    width = int(table.offsets.shape[1])
+    entry = table.entry_of_rows()
+    bounds = torch.zeros((len(table.fqns), width), dtype=torch.int64)
+    for e, size in enumerate(table.sizes):
+        if size is not None and len(size):
+            bounds[e, :len(size)] = torch.tensor(list(size), dtype=torch.int64)
+    limit = bounds.index_select(0, entry)
+    inner = (table.lengths == 0) & (table.offsets > 0) & (table.offsets < limit)
+    return sorted(set(entry[inner.any(1)].tolist()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,8 +506,9 @@ def read_chunk_index(data: Any, where: str, *, allow_unsafe: bool = False) -> Ch
      objects_length) = _HEADER.unpack_from(header)
     if magic != _MAGIC:
         raise fail(f"not a fastdcp chunk index (magic {shown(magic)})")
-    if version != _FORMAT_VERSION:
-        raise fail(f"chunk index format version {version} is not supported (this fastdcp reads {_FORMAT_VERSION})")
+    if version not in (_FORMAT_VERSION, _SECTIONS_VERSION):
+        raise fail(f"chunk index format version {version} is not supported (this fastdcp reads "
+                   f"{_FORMAT_VERSION} and {_SECTIONS_VERSION})")
     if header_size != _HEADER_SIZE or flags & ~_FLAG_STORAGE:
         raise fail(f"unexpected header (size {header_size}, flags {flags:#x})")
     if width > _MAX_WIDTH:
@@ -332,7 +525,16 @@ def read_chunk_index(data: Any, where: str, *, allow_unsafe: bool = False) -> Ch
         at += _pad(at) + count * size
     at += _pad(at)
     expected = at + objects_length + _TRAILER.size
-    if objects_offset != at or expected != src.size:
+    if version == _SECTIONS_VERSION:
+        v2 = _parse_v2_header(header, fail)
+        if v2.file_size != src.size or v2.common_offset != expected:
+            raise fail(f"the header declares a {v2.file_size}-byte file with shared objects at {v2.common_offset}, "
+                       f"but the file is {src.size} bytes and its table ends at {expected} (truncated, or lengths "
+                       f"that lie)")
+        table_size = expected
+    else:
+        table_size = src.size
+    if objects_offset != at or expected != table_size:
         raise fail(
             f"the header declares {entries} entries, {rows} rows of width {width} and {objects_length} bytes of "
             f"objects ({expected} bytes in all, objects at {at}), but the file is {src.size} bytes with objects "
@@ -384,6 +586,7 @@ def read_chunk_index(data: Any, where: str, *, allow_unsafe: bool = False) -> Ch
         metadata_size=md_size,
         metadata_head_crc=head_crc,
         metadata_tail_crc=tail_crc,
+        edge_bytes=SECTION_EDGE_BYTES if version == _SECTIONS_VERSION else EDGE_BYTES,
     )
 
 
@@ -420,8 +623,9 @@ def _check_objects(fail: Any, entries: int, fqns: Any, properties: Any, sizes: A
         raise fail(f"version is a {type(version).__name__}, not a string")
 
 
-def _check_columns(fail: Any, table: ChunkTable) -> None:
-    """Every column against the others (vectorised; a bounded number of rows at a time)."""
+def _check_columns(fail: Any, table: ChunkTable, partial: bool = False) -> None:
+    """Every column against the others (vectorised; a bounded number of rows at a time).
+    ``partial``: the table is one rank's section, where a bytes entry may have no row."""
     entries, rows, width = len(table.fqns), table.rows, int(table.offsets.shape[1])
     row_start = table.row_start
     if int(row_start[0]) != 0 or int(row_start[-1]) != rows:
@@ -432,8 +636,9 @@ def _check_columns(fail: Any, table: ChunkTable) -> None:
         raise fail(f"row_start decreases at entry {shown(table.fqns[e])}")
     ndims = torch.tensor([-1 if s is None else len(s) for s in table.sizes], dtype=torch.int64)
     is_bytes = ndims < 0
-    if bool((is_bytes & (counts != 1)).any()):
-        e = int(torch.nonzero(is_bytes & (counts != 1))[0])
+    wrong = (counts > 1) if partial else (counts != 1)
+    if bool((is_bytes & wrong).any()):
+        e = int(torch.nonzero(is_bytes & wrong)[0])
         raise fail(f"bytes entry {shown(table.fqns[e])} has {int(counts[e])} rows (must be 1)")
     if bool(((ndims > width) & (counts > 0)).any()):
         e = int(torch.nonzero((ndims > width) & (counts > 0))[0])
@@ -473,6 +678,233 @@ def _check_columns(fail: Any, table: ChunkTable) -> None:
             if bool(bad_rows.any()):
                 r = int(torch.nonzero(bad_rows)[0])
                 raise fail(f"row {start + r} of entry {shown(table.fqns[int(entry[r])])} {problem(r)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one rank's section (version 2)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _V2Header:
+    edge_bytes: int
+    common_crc: int
+    common_offset: int
+    directory_offset: int
+    sections: int
+    file_size: int
+    common_length: int
+
+
+def _parse_v2_header(header: bytes, fail: Any) -> _V2Header:
+    (common_length, recorded) = struct.unpack_from("<II", header, _HEADER_CRC_AT - 4)
+    fields = _V2Header(*_HEADER_V2.unpack_from(header, _HEADER.size), common_length)
+    if recorded != crc32c(header[:_HEADER_CRC_AT]):
+        raise fail("header checksum mismatch: the file is damaged")
+    if fields.edge_bytes != SECTION_EDGE_BYTES:
+        raise fail(f"unexpected version 2 header (edge bytes {fields.edge_bytes})")
+    if not (_HEADER_SIZE <= fields.common_offset <= fields.common_offset + common_length <= fields.directory_offset
+            <= fields.file_size
+            and fields.file_size - fields.directory_offset == fields.sections * _DIRECTORY_ENTRY.size):
+        raise fail(f"the header's layout does not add up (shared objects at {fields.common_offset}, directory at "
+                   f"{fields.directory_offset} for {fields.sections} sections, {fields.file_size} bytes)")
+    return fields
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    """What a chunk index's first bytes say: the ``.metadata`` facts it was written for, its
+    version, and (version 2) where the shared objects and the sections are."""
+
+    version: int
+    metadata_size: int
+    metadata_head_crc: int
+    metadata_tail_crc: int
+    edge_bytes: int
+    entries: int
+    width: int
+    v2: _V2Header | None
+
+
+@dataclass
+class RankSection:
+    """One rank's section of a version 2 chunk index: the rows that rank planned in the save as a
+    :class:`ChunkTable` naming every entry of the checkpoint (entries the rank did not save have
+    no rows), plus what planning from part of the table needs to stay exactly stock's plan.
+
+    ``ordinals[i]`` is row ``i``'s position among all chunks of its entry (its index hint);
+    ``row_counts[e]`` entry ``e``'s chunks in the whole checkpoint; ``extents[e]`` the largest
+    chunk end per dimension over all of them; ``inner_empty`` the entries with an empty chunk
+    strictly inside the tensor (see ``_inner_empty``)."""
+
+    rank: int
+    table: ChunkTable
+    ordinals: torch.Tensor
+    row_counts: list[int]
+    extents: list[tuple[int, ...]]
+    inner_empty: frozenset[int]
+    planner_data: Any
+    storage_meta: Any
+    version: str | None
+    bytes_read: int
+
+
+def _pread(fd: int, offset: int, length: int, fail: Any) -> bytes:
+    data = bytearray()
+    while len(data) < length:
+        chunk = os.pread(fd, length - len(data), offset + len(data))
+        if not chunk:
+            raise fail(f"truncated: needs bytes up to {offset + length}, the file ended at {offset + len(data)}")
+        data += chunk
+    return bytes(data)
+
+
+def read_index_header(fd: int, where: str) -> IndexHeader:
+    """The first bytes of the chunk index open as ``fd`` (read with ``pread``). Raises
+    :class:`CheckpointFormatError` for anything not a chunk index of a supported version, and for
+    a version 2 header whose own checksum or layout is wrong."""
+    fail = lambda problem: CheckpointFormatError(f"{where}: {problem}")  # noqa: E731
+    header = _pread(fd, 0, _HEADER_SIZE, fail)
+    (magic, version, header_size, flags, width, entries, rows, md_size, head_crc, tail_crc, _, _, _) = \
+        _HEADER.unpack_from(header)
+    if magic != _MAGIC:
+        raise fail(f"not a fastdcp chunk index (magic {shown(magic)})")
+    if version not in (_FORMAT_VERSION, _SECTIONS_VERSION) or header_size != _HEADER_SIZE:
+        raise fail(f"chunk index format version {version} is not supported")
+    v2 = _parse_v2_header(header, fail) if version == _SECTIONS_VERSION else None
+    if v2 is not None and os.fstat(fd).st_size != v2.file_size:
+        raise fail(f"is {os.fstat(fd).st_size} bytes, its header says {v2.file_size} (truncated or appended to)")
+    return IndexHeader(version, md_size, head_crc, tail_crc, v2.edge_bytes if v2 else EDGE_BYTES, entries, width, v2)
+
+
+def read_rank_section(fd: int, header: IndexHeader, rank: int, where: str, *,
+                      allow_unsafe: bool = False) -> RankSection | None:
+    """Rank ``rank``'s section of the version 2 chunk index open as ``fd`` and the shared
+    objects, by ranged reads (``pread``): the directory entry, the section, the shared objects.
+    None when the index has no section for ``rank`` (version 1, or a save with fewer ranks).
+
+    Everything read is checked as :func:`read_chunk_index` checks the whole table (CRC-32C of
+    the section and of the shared objects, every record against the entries' sizes and the
+    file list); failures raise :class:`CheckpointFormatError` naming ``where``. Memory: the
+    section and the shared objects (decompressed at most ``_MAX_COMMON_RATIO`` times their size)."""
+    v2 = header.v2
+    if v2 is None or not 0 <= rank < v2.sections:
+        return None
+    fail = lambda problem: CheckpointFormatError(f"{where}: section of rank {rank}: {problem}")  # noqa: E731
+    entry = _pread(fd, v2.directory_offset + rank * _DIRECTORY_ENTRY.size, _DIRECTORY_ENTRY.size, fail)
+    offset, length, crc, zero = _DIRECTORY_ENTRY.unpack(entry)
+    sections_start = v2.common_offset + v2.common_length
+    if zero or not (sections_start <= offset and length >= _SECTION_HEADER.size
+                    and offset + length <= v2.directory_offset):
+        raise fail(f"directory entry (offset {offset}, length {length}) lies outside the sections")
+    raw = _pread(fd, offset, length, fail)
+    if crc32c(raw) != crc:
+        raise fail(f"checksum mismatch (recorded {crc:#010x}): the file is damaged")
+    common_length = v2.common_length
+    packed = _pread(fd, v2.common_offset, common_length, fail)
+    if crc32c(packed) != v2.common_crc:
+        raise fail("the shared objects' checksum does not match: the file is damaged")
+    common = _common_objects(packed, header, fail, allow_unsafe)
+    table, ordinals = _section_table(raw, header, common, fail)
+    return RankSection(
+        rank=rank, table=table, ordinals=ordinals, row_counts=common["row_counts"], extents=common["extents"],
+        inner_empty=frozenset(common["inner_empty"]), planner_data=common["planner_data"],
+        storage_meta=common["storage_meta"], version=common["version"],
+        bytes_read=_HEADER_SIZE + _DIRECTORY_ENTRY.size + length + common_length,
+    )
+
+
+_COMMON_KEYS = ("fqns", "properties", "sizes", "row_counts", "extents", "inner_empty", "planner_data", "storage_meta",
+                "version")
+
+
+def _common_objects(packed: bytes, header: IndexHeader, fail: Any, allow_unsafe: bool) -> dict[str, Any]:
+    """The shared objects of a version 2 index, decompressed (bounded) and checked."""
+    inflate = zlib.decompressobj()
+    try:
+        data = inflate.decompress(packed, _MAX_COMMON_RATIO * len(packed) + (1 << 20))
+    except zlib.error as e:
+        raise fail(f"the shared objects do not decompress ({e})") from None
+    if not inflate.eof or inflate.unconsumed_tail:
+        raise fail("the shared objects are truncated or decompress implausibly large")
+    where_fail = fail
+    if allow_unsafe:
+        try:
+            common = pickle.loads(data)
+        except Exception as e:
+            raise fail(f"unreadable shared objects ({type(e).__name__}: {str(e)[:200]})") from e
+    else:
+        try:
+            common = unpickle_restricted(data, "shared objects")
+        except CheckpointFormatError as e:
+            raise fail(str(e)) from None
+    if type(common) is not dict or set(common) != set(_COMMON_KEYS):
+        raise fail("the shared objects are not the expected dict")
+    entries = header.entries
+    _check_objects(where_fail, entries, common["fqns"], common["properties"], common["sizes"], [], True, common)
+    counts, extents, inner = common["row_counts"], common["extents"], common["inner_empty"]
+    if (type(counts) is not list or len(counts) != entries or not all(type(c) is int and c >= 0 for c in counts)
+            or type(extents) is not list or len(extents) != entries
+            or not all(type(x) is tuple and all(type(v) is int for v in x) for x in extents)
+            or type(inner) is not list or not all(type(e) is int and 0 <= e < entries for e in inner)):
+        raise fail("the shared objects' row counts, extents or inner-empty entries are malformed")
+    return common
+
+
+def _section_table(raw: bytes, header: IndexHeader, common: dict[str, Any], fail: Any
+                   ) -> tuple[ChunkTable, torch.Tensor]:
+    """A section's records as a :class:`ChunkTable` (every entry named, the section's rows) and
+    the rows' ordinals; checked like a whole table."""
+    magic, width, rows, nfiles, names_length = _SECTION_HEADER.unpack_from(raw)
+    columns = _SECTION_FIXED + 2 * width
+    if magic != _SECTION_MAGIC or width != header.width:
+        raise fail(f"not a section (magic {shown(magic)}, width {width} of the table's {header.width})")
+    expected = _SECTION_HEADER.size + rows * columns * 8 + nfiles * 8 + names_length
+    if expected != len(raw):
+        raise fail(f"declares {rows} rows and {nfiles} files ({expected} bytes) but is {len(raw)} bytes")
+    body = bytearray(raw[_SECTION_HEADER.size:])
+    records = torch.frombuffer(body, dtype=torch.int64, count=rows * columns).view(rows, columns) if rows else \
+        torch.zeros((0, columns), dtype=torch.int64)
+    numbers = torch.frombuffer(body, dtype=torch.int64, offset=rows * columns * 8, count=nfiles) if nfiles else \
+        torch.zeros(0, dtype=torch.int64)
+    if not _LITTLE_ENDIAN:
+        records = records.view(torch.uint8).view(-1, 8).flip(1).contiguous().view(torch.int64).view(rows, columns)
+        numbers = numbers.view(torch.uint8).view(-1, 8).flip(1).contiguous().view(torch.int64)
+    names_bytes = bytes(body[rows * columns * 8 + nfiles * 8:])
+    names = names_bytes.decode("utf-8", "surrogatepass").split("\0") if nfiles else []
+    if len(names) != nfiles or (not nfiles and names_bytes):
+        raise fail(f"lists {len(names)} file names for {nfiles} file numbers")
+    if nfiles > 1 and bool((numbers[1:] <= numbers[:-1]).any()):
+        raise fail("its file numbers are not ascending")
+    entries = header.entries
+    entry, ordinal, file = records[:, 0].contiguous(), records[:, 1].clone(), records[:, 2].contiguous()
+    if rows:
+        if bool(((entry < 0) | (entry >= entries)).any()):
+            raise fail("a record names an entry that does not exist")
+        counts = torch.tensor(common["row_counts"], dtype=torch.int64)
+        if bool(((ordinal < 0) | (ordinal >= counts.index_select(0, entry))).any()):
+            raise fail("a record's position in its entry is out of range")
+        if rows > 1:
+            step = (entry[1:] > entry[:-1]) | ((entry[1:] == entry[:-1]) & (ordinal[1:] > ordinal[:-1]))
+            if not bool(step.all()):
+                raise fail("its records are not in table order")
+    local = torch.searchsorted(numbers, file) if nfiles else torch.zeros_like(file)
+    if rows and (not nfiles or bool((local >= nfiles).any())
+                 or not bool((numbers.index_select(0, local.clamp(max=max(nfiles - 1, 0))) == file).all())):
+        raise fail("a record names a file the section does not list")
+    row_start = torch.zeros(entries + 1, dtype=torch.int64)
+    if rows:
+        row_start[1:] = torch.cumsum(torch.bincount(entry, minlength=entries), 0)
+    storage = StorageColumns(
+        files=names, file_index=local.to(torch.int32), byte_offset=records[:, 3].clone(),
+        byte_length=records[:, 4].clone(), checksums=records[:, 5].clone(),
+    )
+    table = ChunkTable(list(common["fqns"]), list(common["properties"]), list(common["sizes"]), row_start,
+                       records[:, _SECTION_FIXED:_SECTION_FIXED + width].clone(),
+                       records[:, _SECTION_FIXED + width:].clone(), storage)
+    _check_objects(fail, entries, table.fqns, table.properties, table.sizes, names, True, common)
+    _check_columns(fail, table, partial=True)
+    return table, ordinal
 
 
 # ---------------------------------------------------------------------------------------------

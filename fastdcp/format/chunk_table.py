@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .metadata import CHECKSUM_ATTRIBUTE
 
-__all__ = ["ChunkTable", "StorageColumns", "table_from_metadata", "table_to_metadata", "tensor_bytes", "int64_values"]
+__all__ = ["ChunkTable", "RankRows", "StorageColumns", "table_from_metadata", "table_to_metadata", "tensor_bytes", "int64_values"]
 
 NO_CHECKSUM = -1  # value of StorageColumns.checksums for an item without a recorded CRC-32C
 
@@ -66,6 +66,17 @@ class StorageColumns:
 
 
 @dataclass(eq=False)  # tensors: compare columns with torch.equal
+class RankRows:
+    """Which table rows each rank of the save planned: rank ``r``'s items are the table rows
+    ``rows[start[r]:start[r + 1]]`` (ascending), including the rows of replicated items that
+    another rank wrote. What the chunk index's per-rank sections are cut from, so that a rank
+    loading the layout it saved finds every chunk it needs in its own section."""
+
+    start: torch.Tensor  # int64 [ranks + 1]
+    rows: torch.Tensor  # int64 [start[-1]]
+
+
+@dataclass(eq=False)  # tensors: compare columns with torch.equal
 class ChunkTable:
     """Every chunk of a checkpoint, as columns (see the module docstring for the layout).
 
@@ -79,6 +90,7 @@ class ChunkTable:
     offsets: torch.Tensor  # int64 [rows, width]
     lengths: torch.Tensor  # int64 [rows, width]
     storage: StorageColumns | None = None
+    rank_rows: RankRows | None = None  # set by the bulk save planner; not part of the content
 
     @property
     def rows(self) -> int:

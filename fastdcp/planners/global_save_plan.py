@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from ..format.chunk_table import ChunkTable, tensor_bytes
+from ..format.chunk_table import ChunkTable, RankRows, tensor_bytes
 from .plan_columns import NO_HINT, GlobalItems, ItemStructure, RankColumns
 
 __all__ = ["BulkGlobalPlan", "plan_globally_in_bulk"]
@@ -140,7 +140,7 @@ def plan_globally_in_bulk(plans: list[tuple[RankColumns, ItemStructure]], to_low
             offsets[span, :g_width].unflatten(0, (runs, items)).copy_(group_offsets[first:end])
             lengths[span, :g_width].unflatten(0, (runs, items)).copy_(group_lengths[first:end])
 
-    keep = _dedup(fqn_of_row, offsets, rank_of_row, size_row, ranks, to_lowest_rank)
+    keep, key_of_row = _dedup(fqn_of_row, offsets, rank_of_row, size_row, ranks, to_lowest_rank)
     kept = keep.nonzero().squeeze(1) if keep is not None else torch.arange(rows)
     kept_fqn = fqn_of_row[kept]
 
@@ -166,6 +166,7 @@ def plan_globally_in_bulk(plans: list[tuple[RankColumns, ItemStructure]], to_low
 
     table = _table(plans, facts, fqn_ids, entry_order.tolist(), entry_start, kept, order, offsets, lengths,
                    rank_of_row, row_start)
+    table.rank_rows = _rank_rows(row_start, kept, table_rows, key_of_row)
 
     kept_start = torch.zeros(ranks + 1, dtype=torch.int64)
     kept_start[1:] = torch.cumsum(torch.bincount(rank_of_row[kept], minlength=ranks), 0)
@@ -198,16 +199,41 @@ def _consecutive_runs(group: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _rank_rows(row_start: torch.Tensor, kept: torch.Tensor, table_rows: torch.Tensor,
+               key_of_row: torch.Tensor | None) -> RankRows:
+    """The table row of every rank's every item (a replicated item's is the row of the copy that
+    was kept), ascending within each rank: :class:`RankRows`."""
+    if key_of_row is None:  # every row kept
+        rows = table_rows
+    else:
+        row_of_key = torch.empty(int(key_of_row.max()) + 1 if len(key_of_row) else 0, dtype=torch.int64)
+        row_of_key[key_of_row[kept]] = table_rows
+        rows = row_of_key[key_of_row]
+    if len(rows) > 1:
+        # Usually ascending already (entries are numbered in the order ranks plan them).
+        step_down = rows[1:] < rows[:-1]
+        boundaries = row_start[1:-1]
+        boundaries = boundaries[(boundaries > 0) & (boundaries < len(rows))] - 1
+        step_down[boundaries] = False
+        if bool(step_down.any()):
+            ranks = len(row_start) - 1
+            rank_of = torch.repeat_interleave(torch.arange(ranks, dtype=torch.int64), row_start[1:] - row_start[:-1])
+            total = int(rows.max()) + 1
+            rows = torch.sort(rank_of * total + rows).values - rank_of * total
+    return RankRows(start=row_start.clone(), rows=rows)
+
+
 def _dedup(fqn_of_row: torch.Tensor, offsets: torch.Tensor, rank_of_row: torch.Tensor, size_row: torch.Tensor,
-           ranks: int, to_lowest_rank: bool) -> torch.Tensor | None:
-    """Which rows stay (None: all): ``items._dedup_plans`` over rows."""
+           ranks: int, to_lowest_rank: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Which rows stay (None: all), ``items._dedup_plans`` over rows; and, when some do not, a
+    number per row equal exactly for rows of one key (None otherwise)."""
     if ranks == 1:
-        return None
+        return None, None
     key = _row_keys(fqn_of_row, offsets)
     unique, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
     shared_row = counts[inverse] > 1
     if not bool(shared_row.any()):
-        return None
+        return None, None
     load = torch.zeros(ranks, dtype=torch.int64)
     load.index_add_(0, rank_of_row[~shared_row], size_row[~shared_row])
     shared = shared_row.nonzero().squeeze(1)
@@ -237,7 +263,7 @@ def _dedup(fqn_of_row: torch.Tensor, offsets: torch.Tensor, rank_of_row: torch.T
         load[owner] += sizes[g]
         rows_of_group = shared[starts[g]: ends[g]]
         keep[rows_of_group[candidates == owner]] = True
-    return keep
+    return keep, inverse
 
 
 def _row_keys(fqn_of_row: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
