@@ -59,6 +59,7 @@ __all__ = [
     "has_rank_sections",
     "read_index_header",
     "read_rank_section",
+    "read_shared_objects",
     "write_chunk_index",
     "read_chunk_index",
     "find_chunk_index_name",
@@ -267,7 +268,7 @@ def write_chunk_index(
 
 def has_rank_sections(table: ChunkTable) -> bool:
     """Whether :func:`write_chunk_index` gives ``table`` per-rank sections (format version 2)."""
-    return table.storage is not None and table.rank_rows is not None and len(table.rank_rows.start) > 1
+    return table.storage is not None and table.rank_rows is not None and len(table.rank_rows.start) > 2
 
 
 def edge_bytes_for(table: ChunkTable) -> int:
@@ -777,11 +778,30 @@ def read_index_header(fd: int, where: str) -> IndexHeader:
     return IndexHeader(version, md_size, head_crc, tail_crc, v2.edge_bytes if v2 else EDGE_BYTES, entries, width, v2)
 
 
-def read_rank_section(fd: int, header: IndexHeader, rank: int, where: str, *,
-                      allow_unsafe: bool = False) -> RankSection | None:
-    """Rank ``rank``'s section of the version 2 chunk index open as ``fd`` and the shared
-    objects, by ranged reads (``pread``): the directory entry, the section, the shared objects.
-    None when the index has no section for ``rank`` (version 1, or a save with fewer ranks).
+def read_shared_objects(fd: int, header: IndexHeader, where: str, *, allow_unsafe: bool = False) -> dict[str, Any]:
+    """The shared objects of the version 2 chunk index open as ``fd`` (one ranged read): every
+    entry's fqn, properties, size, chunk count and extents, the entries with inner empty chunks,
+    ``planner_data``, ``storage_meta``, ``version``; and ``"bytes_read"``. Checked (CRC-32C,
+    bounded decompression, restricted unpickling unless ``allow_unsafe``); failures raise
+    :class:`CheckpointFormatError` naming ``where``."""
+    v2 = header.v2
+    fail = lambda problem: CheckpointFormatError(f"{where}: {problem}")  # noqa: E731
+    if v2 is None:
+        raise fail("has no shared objects (format version 1)")
+    packed = _pread(fd, v2.common_offset, v2.common_length, fail)
+    if crc32c(packed) != v2.common_crc:
+        raise fail("the shared objects' checksum does not match: the file is damaged")
+    common = _common_objects(packed, header, fail, allow_unsafe)
+    common["bytes_read"] = _HEADER_SIZE + v2.common_length
+    return common
+
+
+def read_rank_section(fd: int, header: IndexHeader, rank: int, where: str, *, allow_unsafe: bool = False,
+                      shared: dict[str, Any] | None = None) -> RankSection | None:
+    """Rank ``rank``'s section of the version 2 chunk index open as ``fd``, by ranged reads
+    (``pread``): the directory entry, the section, and the shared objects unless given
+    (``shared``, from :func:`read_shared_objects`). None when the index has no section for
+    ``rank`` (version 1, or a save with fewer ranks).
 
     Everything read is checked as :func:`read_chunk_index` checks the whole table (CRC-32C of
     the section and of the shared objects, every record against the entries' sizes and the
@@ -800,17 +820,15 @@ def read_rank_section(fd: int, header: IndexHeader, rank: int, where: str, *,
     raw = _pread(fd, offset, length, fail)
     if crc32c(raw) != crc:
         raise fail(f"checksum mismatch (recorded {crc:#010x}): the file is damaged")
-    common_length = v2.common_length
-    packed = _pread(fd, v2.common_offset, common_length, fail)
-    if crc32c(packed) != v2.common_crc:
-        raise fail("the shared objects' checksum does not match: the file is damaged")
-    common = _common_objects(packed, header, fail, allow_unsafe)
-    table, ordinals = _section_table(raw, header, common, fail)
+    bytes_read = _DIRECTORY_ENTRY.size + length
+    if shared is None:
+        shared = read_shared_objects(fd, header, where, allow_unsafe=allow_unsafe)
+        bytes_read += shared["bytes_read"]
+    table, ordinals = _section_table(raw, header, shared, fail)
     return RankSection(
-        rank=rank, table=table, ordinals=ordinals, row_counts=common["row_counts"], extents=common["extents"],
-        inner_empty=frozenset(common["inner_empty"]), planner_data=common["planner_data"],
-        storage_meta=common["storage_meta"], version=common["version"],
-        bytes_read=_HEADER_SIZE + _DIRECTORY_ENTRY.size + length + common_length,
+        rank=rank, table=table, ordinals=ordinals, row_counts=shared["row_counts"], extents=shared["extents"],
+        inner_empty=frozenset(shared["inner_empty"]), planner_data=shared["planner_data"],
+        storage_meta=shared["storage_meta"], version=shared["version"], bytes_read=bytes_read,
     )
 
 

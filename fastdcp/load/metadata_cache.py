@@ -23,16 +23,24 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..format.chunk_index import find_chunk_index_name, metadata_facts, read_chunk_index
+from ..format.chunk_index import (
+    find_chunk_index_name,
+    metadata_facts,
+    read_chunk_index,
+    read_index_header,
+    read_shared_objects,
+)
 from ..format.metadata import CheckpointFormatError
 from ..format.table_metadata import TableMetadata
 from ..io.checkpoint_files import check_relative_path, load_metadata, metadata_path
 from ..io.gc import gc_paused
+from .sectioned_metadata import IndexSource, SectionedTableMetadata, count_metadata_read
 
 __all__ = ["MetadataCache", "metadata_cache", "clear_metadata_cache", "load_table_metadata"]
 
 logger = logging.getLogger("fastdcp")
 
+_INDEX_HEADER_BYTES = 128
 _HEAD_BYTES = 4 << 10  # where write_metadata puts the chunk index name (in its first ~100 bytes)
 # An index larger than this many times its .metadata is not one fastdcp wrote (it is ~0.35x):
 # refused before it is read, so a planted file cannot make every rank read gigabytes.
@@ -71,9 +79,11 @@ class MetadataCache:
             return None  # load_metadata reports it
         return (os.path.abspath(file), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
-    def load(self, path: str | os.PathLike, rank: int | None, allow_unsafe: bool) -> Metadata:
+    def load(self, path: str | os.PathLike, rank: int | None, allow_unsafe: bool, sectioned: bool = False) -> Metadata:
+        """The parsed metadata (a copy of the cached one when the file is unchanged);
+        ``sectioned``: as :func:`load_table_metadata`'s."""
         before = self._identity(path, rank)
-        key = None if before is None else (before, allow_unsafe)
+        key = None if before is None else (before, allow_unsafe, sectioned)
         if key is not None:
             with self._lock:
                 cached = self._entries.get(key)
@@ -81,10 +91,11 @@ class MetadataCache:
                     self._entries.move_to_end(key)
             if cached is not None:
                 return copy_metadata(cached)
-        metadata: Metadata | None = load_table_metadata(path, rank, allow_unsafe)
+        metadata: Metadata | None = load_table_metadata(path, rank, allow_unsafe, sectioned)
         if metadata is None:
             with gc_paused():  # tens of thousands of small objects; see fastdcp.io.gc
                 metadata = load_metadata(path, rank=rank, allow_unsafe=allow_unsafe)
+            count_metadata_read(_file_size(path, rank))
         if key is not None and self._identity(path, rank) == before:
             with self._lock:
                 self._entries[key] = copy_metadata(metadata)
@@ -99,8 +110,18 @@ class MetadataCache:
             self._entries.clear()
 
 
+def _file_size(path: str | os.PathLike, rank: int | None) -> int:
+    path = os.fspath(path)
+    try:
+        return os.path.getsize(metadata_path(path, rank) if os.path.isdir(path) else path)
+    except OSError:
+        return 0
+
+
 def _held_items(metadata: Metadata) -> int:
     """What ``metadata`` counts against ``MetadataCache.max_items`` (without building anything)."""
+    if isinstance(metadata, SectionedTableMetadata) and not metadata.table_loaded:
+        return metadata.index_source.header.entries  # (the sections it keeps are small)
     if isinstance(metadata, TableMetadata):
         return len(metadata.chunk_table.fqns) + metadata.chunk_table.rows // _TABLE_ROWS_PER_ITEM
     return len(metadata.state_dict_metadata) + len(metadata.storage_data or ())
@@ -151,13 +172,17 @@ def _open_regular(path: str) -> Any | None:
 
 
 def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
-                        allow_unsafe: bool = False) -> TableMetadata | None:
+                        allow_unsafe: bool = False, sectioned: bool = False) -> TableMetadata | None:
     """The checkpoint's metadata from the chunk index its ``.metadata`` names, or None when the
     caller should parse ``.metadata`` instead (see the module docstring for when, and what is
     logged). ``path`` and ``rank`` are as :func:`fastdcp.io.checkpoint_files.load_metadata`'s;
     ``allow_unsafe`` unpickles the index's small objects with plain pickle, as ``.metadata``
     would be. Nothing is raised for a missing or damaged index: the fallback reports problems of
-    ``.metadata`` itself."""
+    ``.metadata`` itself.
+
+    ``sectioned`` (a load on several ranks): for an index with per-rank sections, a
+    :class:`~fastdcp.load.sectioned_metadata.SectionedTableMetadata` that reads only the header
+    and the shared objects now, and a rank's section or the whole table when asked."""
     path = os.fspath(path)
     if os.path.isdir(path):
         directory, file = path, metadata_path(path, rank)
@@ -170,39 +195,68 @@ def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
         return None
     with f:
         head = f.read(_HEAD_BYTES)
+        count_metadata_read(len(head))
         name = find_chunk_index_name(head)
         if name is None:
             return None  # stock-written (or damaged: the parse reports it)
-        size, head_crc, tail_crc = metadata_facts(f)
-    try:
-        index_path = check_relative_path(directory, name)
-    except CheckpointFormatError as e:
-        logger.warning("ignoring the chunk index named by '%s': %s; reading the metadata itself", file, e)
-        return None
-    where = f"checkpoint chunk index '{index_path}'"
-    g = _open_regular(index_path)
-    if g is None:
-        logger.debug("'%s' names chunk index '%s', which is missing or not a regular file: reading the "
-                     "metadata itself", file, index_path)
-        return None
-    try:
+        try:
+            index_path = check_relative_path(directory, name)
+        except CheckpointFormatError as e:
+            logger.warning("ignoring the chunk index named by '%s': %s; reading the metadata itself", file, e)
+            return None
+        where = f"checkpoint chunk index '{index_path}'"
+        g = _open_regular(index_path)
+        if g is None:
+            logger.debug("'%s' names chunk index '%s', which is missing or not a regular file: reading the "
+                         "metadata itself", file, index_path)
+            return None
         with g:
+            try:
+                header = read_index_header(g.fileno(), where)
+                count_metadata_read(_INDEX_HEADER_BYTES)
+            except CheckpointFormatError as e:
+                logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
+                return None
+            except OSError as e:
+                logger.warning("could not read %s (%s), reading the metadata itself", where, e)
+                return None
+            size, head_crc, tail_crc = metadata_facts(f, header.edge_bytes)
+            count_metadata_read(min(size, 2 * header.edge_bytes))
+            if (header.metadata_size, header.metadata_head_crc, header.metadata_tail_crc) != (size, head_crc, tail_crc):
+                logger.warning(
+                    "ignoring %s: it was written for another .metadata (size %d, CRC-32C %#010x/%#010x; '%s' has %d "
+                    "bytes, %#010x/%#010x); reading the metadata itself", where, header.metadata_size,
+                    header.metadata_head_crc, header.metadata_tail_crc, file, size, head_crc, tail_crc)
+                return None
             index_size = os.fstat(g.fileno()).st_size
-            if index_size > _INDEX_SIZE_RATIO * size + _INDEX_SIZE_SLACK:
-                raise CheckpointFormatError(f"{where}: {index_size} bytes is implausibly large for a "
-                                            f"{size}-byte .metadata")
-            with gc_paused():
-                index = read_chunk_index(g, where, allow_unsafe=allow_unsafe)
-    except CheckpointFormatError as e:
-        logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
-        return None
-    except OSError as e:
-        logger.warning("could not read %s (%s), reading the metadata itself", where, e)
-        return None
+            if sectioned and header.v2 is not None:
+                try:
+                    with gc_paused():
+                        shared = read_shared_objects(g.fileno(), header, where, allow_unsafe=allow_unsafe)
+                    count_metadata_read(shared["bytes_read"] - _INDEX_HEADER_BYTES)
+                except CheckpointFormatError as e:
+                    logger.warning("ignoring the sections of a damaged chunk index, reading the whole index: %s", e)
+                except OSError as e:
+                    logger.warning("could not read %s (%s), reading the whole index", where, e)
+                else:
+                    source = IndexSource(directory, file, index_path, header, shared, allow_unsafe)
+                    return SectionedTableMetadata(source, shared["planner_data"], shared["storage_meta"],
+                                                  shared["version"])
+            try:
+                if index_size > _INDEX_SIZE_RATIO * size + _INDEX_SIZE_SLACK:
+                    raise CheckpointFormatError(f"{where}: {index_size} bytes is implausibly large for a "
+                                                f"{size}-byte .metadata")
+                g.seek(0)
+                with gc_paused():
+                    index = read_chunk_index(g, where, allow_unsafe=allow_unsafe)
+                count_metadata_read(g.tell())
+            except CheckpointFormatError as e:
+                logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
+                return None
+            except OSError as e:
+                logger.warning("could not read %s (%s), reading the metadata itself", where, e)
+                return None
     if (index.metadata_size, index.metadata_head_crc, index.metadata_tail_crc) != (size, head_crc, tail_crc):
-        logger.warning(
-            "ignoring %s: it was written for another .metadata (size %d, CRC-32C %#010x/%#010x; '%s' has %d bytes, "
-            "%#010x/%#010x); reading the metadata itself", where, index.metadata_size, index.metadata_head_crc,
-            index.metadata_tail_crc, file, size, head_crc, tail_crc)
+        logger.warning("ignoring %s: it changed while it was read; reading the metadata itself", where)
         return None
     return TableMetadata(index.table, index.planner_data, index.storage_meta, index.version)

@@ -41,6 +41,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -64,6 +65,7 @@ from ..io.gc import gc_paused
 from ..io.read_mode import ReadMode, read_mode_for, record_read
 from .header_pass import KnownBlobs, Window, parse_blob, read_windows, window_bytes
 from .metadata_cache import metadata_cache
+from .sectioned_metadata import SectionedTableMetadata, SectionStorageData
 from .pieces import Placement, plan_placement
 from .placement import run_placements
 from .verify import verify_checksums
@@ -200,6 +202,8 @@ class FastFileSystemReader(FileSystemReader):
         return fut
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if isinstance(metadata, SectionedTableMetadata) and isinstance(kwargs.get("rank"), int):
+            metadata.bind_rank(kwargs["rank"])  # DCP's rank in the load's process group
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         # What each stored tensor should be (dtype, chunk sizes): lets KnownBlobs recognise
         # blobs fastdcp's writer produced without parsing them.
@@ -266,8 +270,23 @@ class FastFileSystemReader(FileSystemReader):
         return metadata
 
     def _read_metadata(self, rank: int | None) -> Metadata:
+        group_rank = _default_group_rank() if rank is None else None
         for attempt in range(2):
-            metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata)
+            metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata,
+                                           sectioned=group_rank is not None)
+            if isinstance(metadata, SectionedTableMetadata):
+                # This rank's section (the default group's rank for now; set_up_storage_reader
+                # rebinds when DCP names another): its files are checked and pinned, not all.
+                metadata.bind_rank(group_rank)
+                section = metadata.rank_section()
+                if section is not None:
+                    for rel in section.table.storage.files:  # type: ignore[union-attr]
+                        check_relative_path(self.path, rel)
+                    if self._pin_names(set(section.table.storage.files)) or attempt == 1:  # type: ignore[union-attr]
+                        break
+                    logger.info("a data file of %s vanished right after its .metadata was read (a concurrent "
+                                "save committed): reading .metadata again", self.path)
+                    continue
             # Every data file the metadata names must stay inside the checkpoint (stock code reads
             # the items fastdcp hands back to it, so this is checked up front, not only in _open).
             if isinstance(metadata, TableMetadata) and metadata.table_answers_storage():
@@ -292,11 +311,16 @@ class FastFileSystemReader(FileSystemReader):
     def _pin(self, metadata: Metadata) -> bool:
         """Open every data file ``metadata`` names (when they are few enough), replacing earlier
         pins. False when one of them does not exist (no pins are kept then)."""
-        self._unpin()
         if isinstance(metadata, TableMetadata) and metadata.table_answers_storage():
             names = set(referenced_files(metadata.chunk_table))
         else:
             names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        return self._pin_names(names)
+
+    def _pin_names(self, names: set[Any]) -> bool:
+        """Open the data files ``names`` (when they are few enough), replacing earlier pins. False
+        when one of them does not exist (no pins are kept then)."""
+        self._unpin()
         if not names or len(names) > pin_limit():
             return True
         direct = self.io_options.direct_for(str(self.path))
@@ -327,8 +351,11 @@ class FastFileSystemReader(FileSystemReader):
             path = resolve_data_file(self.path, relative_path)
             file = _C.File(path, "r", self._direct)
         try:
-            if self._extents is None or self._extents[0] is not self.storage_data:
-                self._extents = (self.storage_data, _file_extents(self.storage_data))
+            answering = self.storage_data
+            if isinstance(answering, SectionStorageData):
+                answering = answering.current()  # the section's view, or the whole table's once read
+            if self._extents is None or self._extents[0] is not answering:
+                self._extents = (answering, _file_extents(answering))
             check_file_extents(self._extents[1], relative_path, path, file.size())
         except BaseException:
             file.close()
@@ -451,9 +478,22 @@ def _in_mode(file: _C.File, direct: bool) -> _C.File:
     return reopened
 
 
+def _default_group_rank() -> int | None:
+    """This process's rank in the default process group when that group has several ranks (a
+    load that may read one rank's section of the chunk index), else None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.get_rank() if dist.get_world_size() > 1 else None
+    except (RuntimeError, ValueError):
+        return None
+
+
 def _file_extents(storage_data: Any) -> Mapping[str, tuple[int, Any]]:
     """:func:`fastdcp.io.checkpoint_files.file_extents`, from the columns when ``storage_data`` is
     still a chunk table's view (iterating it would build every item)."""
+    if isinstance(storage_data, SectionStorageData):
+        storage_data = storage_data.current()
     if isinstance(storage_data, TableStorageData) and not storage_data.materialised:
         return table_file_extents(storage_data.chunk_table)
     return file_extents(storage_data)

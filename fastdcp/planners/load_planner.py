@@ -23,7 +23,7 @@ from ..io.gc import gc_paused
 from .items import _local_read_items, _metadata_key
 from . import plan_cache
 from .plan_cache import _PackedItems, as_item_list
-from .read_items import chunk_table_of, table_plan_key, table_read_items
+from .read_items import chunk_table_of, section_read_items, table_plan_key, table_read_items
 from .structure import (
     _MISSING,
     _PLAIN_TENSOR_TYPES,
@@ -34,6 +34,16 @@ from .structure import (
     _NeedsStock,
     _supported_kwargs,
 )
+
+
+def _unread_rank_section(metadata: Any) -> Any:
+    """This rank's section of the chunk index when the reader's metadata offers one and the
+    whole table has not been read (a ``SectionedTableMetadata``, duck-typed: planners do not
+    import the load stage)."""
+    if getattr(metadata, "table_loaded", True):
+        return None
+    rank_section = getattr(metadata, "rank_section", None)
+    return rank_section() if callable(rank_section) else None
 
 
 class FastLoadPlanner(DefaultLoadPlanner):
@@ -99,6 +109,11 @@ class FastLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         if self.metadata is None:
             raise AssertionError("self.metadata is not None")
+        section = _unread_rank_section(self.metadata)
+        if section is not None:
+            plan = self._plan_from_section(section)
+            if plan is not None:
+                return plan
         table = chunk_table_of(self.metadata)
         key = None
         if self._structure_key is not None:
@@ -121,6 +136,29 @@ class FastLoadPlanner(DefaultLoadPlanner):
                 items = _PackedItems(_local_read_items(self.state_dict, self.metadata, strict))
             else:
                 items = _PackedItems(table_read_items(self.state_dict, table, strict))
+        if key is not None:
+            plan_cache.current_process_state().local_load_plans.put(key, items)
+        return LoadPlan(items)
+
+    def _plan_from_section(self, section: Any) -> LoadPlan | None:
+        """The plan from this rank's section of the chunk index alone, or None when the section
+        does not cover it (:func:`~fastdcp.planners.read_items.section_read_items`)."""
+        key = None
+        if self._structure_key is not None:
+            key = (self._structure_key, ("section", table_plan_key(section.table)))
+            items = plan_cache.current_process_state().local_load_plans.get(key)
+            if items is not None:
+                self.local_plan_hits += 1
+                return LoadPlan(items)
+        missing = set(section.table.fqns) - self.state_dict.keys()
+        if missing and self.flatten_state_dict and _has_legacy_keys(self.original_state_dict, missing):
+            return None  # a pre-2.4 checkpoint: stock re-flattens
+        with gc_paused():
+            found = section_read_items(self.state_dict, section, not self.allow_partial_load)
+        if found is None:
+            return None
+        self.local_plan_misses += 1
+        items = _PackedItems(found)
         if key is not None:
             plan_cache.current_process_state().local_load_plans.put(key, items)
         return LoadPlan(items)

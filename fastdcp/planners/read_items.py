@@ -31,6 +31,7 @@ destination's dimension count is planned by stock's ``create_read_items_for_chun
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
@@ -48,11 +49,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from ..format.chunk_index import RankSection
 from ..format.chunk_table import ChunkTable
 from ..io.gc import gc_paused
 from .structure import _PLAIN_TENSOR_TYPES
 
-__all__ = ["ReadIndex", "chunk_table_of", "entry_metadata", "read_index", "table_plan_key", "table_read_items"]
+__all__ = ["ReadIndex", "chunk_table_of", "entry_metadata", "read_index", "section_read_items", "table_plan_key",
+           "table_read_items"]
 
 _NOT_SORTED = -1  # ReadIndex.bisect_dim of an entry sorted along no dimension
 _INDEX_ATTRIBUTE = "_fastdcp_read_index"
@@ -82,6 +85,7 @@ class ReadIndex:
     max_end: list[tuple[int, ...]]
     offsets: torch.Tensor  # the table's columns, contiguous int64 [rows, width]
     lengths: torch.Tensor
+    ordinals: list[int] | None = None  # a section's rows: their positions in the whole entry (hints)
 
 
 def read_index(table: ChunkTable) -> ReadIndex:
@@ -235,15 +239,55 @@ class _Query:
     sweep: int
 
 
-def table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: bool) -> list[ReadItem]:
+def section_read_items(state_dict: Mapping[str, Any], section: RankSection, strict: bool) -> list[ReadItem] | None:
+    """:func:`table_read_items` from one rank's section of the chunk index alone (the rows that
+    rank planned in the save), or None when the section cannot give exactly stock's plan: some
+    destination chunk is not covered in full by the section's chunks (another layout, or
+    another rank's state), or the plan would need chunks the section may lack (an entry with an
+    inner empty chunk, a destination chunk of no elements inside its tensor, a stock fallback).
+
+    Why a covered plan is stock's: a checkpoint's chunks of one tensor never overlap (DCP
+    validates the save), so a destination chunk covered in full by section chunks overlaps no
+    other chunk of positive size, and empty chunks overlap nothing unless they lie strictly
+    inside the tensor (``RankSection.inner_empty``). Index hints are the rows' positions in the
+    whole checkpoint (``RankSection.ordinals``); stock's sweep dimension is chosen from the whole
+    checkpoint's extents (``RankSection.extents``)."""
+    return table_read_items(state_dict, section.table, strict, section=section)
+
+
+def _section_index(section: RankSection) -> ReadIndex:
+    index = getattr(section, _INDEX_ATTRIBUTE, None)
+    if index is None:
+        index = dataclasses.replace(read_index(section.table), max_end=list(section.extents),
+                                    ordinals=section.ordinals.tolist())
+        setattr(section, _INDEX_ATTRIBUTE, index)
+    return index
+
+
+class _NotCovered(Exception):
+    """The section cannot plan this state dict (section_read_items returns None)."""
+
+
+def table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: bool, *,
+                     section: RankSection | None = None) -> list[ReadItem] | None:
     """Stock ``create_default_local_load_plan(state_dict, metadata, strict).items`` for a
-    ``metadata`` whose contents ``table`` holds, computed from the table alone.
+    ``metadata`` whose contents ``table`` holds, computed from the table alone (``section``: see
+    :func:`section_read_items`, the only caller that passes it; None is returned then when the
+    section does not cover the plan).
 
     Preconditions: ``state_dict`` is flat (stock's flattening already applied); ``table`` names
     every entry of the checkpoint. Raises stock's errors, with stock's messages, for the first
     key in ``state_dict`` order that is missing (when ``strict``), whose size differs from the
     saved size, or whose object cannot be a tensor although the saved entry is one."""
-    index = read_index(table)
+    try:
+        return _table_read_items(state_dict, table, strict, section)
+    except _NotCovered:
+        return None
+
+
+def _table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: bool,
+                      section: RankSection | None) -> list[ReadItem]:
+    index = read_index(table) if section is None else _section_index(section)
     entries = index.entries
     sizes = table.sizes
     queries: list[_Query] = []
@@ -264,13 +308,21 @@ def table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: b
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue  # this rank is not in the DTensor's mesh: stock plans nothing for it
             if size is None:
+                if section is not None and index.row_start[e + 1] == index.row_start[e]:
+                    raise _NotCovered
                 other.append((len(queries), [_bytes_read_item(fqn)]))
                 continue
             local_chunks = _local_chunks(fqn, obj, dtensor_chunks)
+            if section is not None and local_chunks and (
+                    e in section.inner_empty
+                    or (index.row_start[e + 1] == index.row_start[e] and section.row_counts[e])):
+                raise _NotCovered
             if not local_chunks or index.row_start[e + 1] == index.row_start[e]:
                 continue
             ndim = len(size)
             if any(len(c.offsets) != ndim or len(c.sizes) != ndim for c in local_chunks):
+                if section is not None:
+                    raise _NotCovered
                 other.append((len(queries), create_read_items_for_chunk_list(fqn, entry_metadata(table, e),
                                                                              local_chunks)))
                 continue
@@ -281,6 +333,8 @@ def table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: b
                 chunk = local_chunks[i]
                 queries.append(_Query(fqn, e, i, chunk.offsets, chunk.sizes, sweep))
         query_items = _search(index, queries)
+        if section is not None:
+            _check_covered(queries, query_items, sizes)
         if not other:
             return query_items[0]
         flat, bounds = query_items
@@ -292,6 +346,29 @@ def table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: b
             done = position
         items.extend(flat[bounds[done]:])
         return items
+
+
+def _check_covered(queries: list[_Query], query_items: tuple[list[ReadItem], list[int]],
+                   sizes: list[Any]) -> None:
+    """Raise _NotCovered unless every query's items fill its box (see section_read_items)."""
+    flat, bounds = query_items
+    for q_number, q in enumerate(queries):
+        volume = 1
+        for n in q.sizes:
+            volume *= n
+        if not volume:
+            size = sizes[q.entry]
+            if any(n == 0 and o not in (0, size[d]) for d, (o, n) in enumerate(zip(q.offsets, q.sizes))):
+                raise _NotCovered
+            continue
+        covered = 0
+        for item in flat[bounds[q_number]:bounds[q_number + 1]]:
+            piece = 1
+            for n in item.lengths:
+                piece *= n
+            covered += piece
+        if covered != volume:
+            raise _NotCovered
 
 
 def _bytes_read_item(fqn: str) -> ReadItem:
@@ -429,7 +506,7 @@ def _search(index: ReadIndex, queries: list[_Query]) -> tuple[list[ReadItem], li
     for n in per_query:
         bounds.append(bounds[-1] + n)
     return _build_items(queries, row_start, m_query_list, m_row_list, saved_offsets, dest_offsets, storage_offsets,
-                        lengths_out), bounds
+                        lengths_out, index.ordinals), bounds
 
 
 def _bisect(value_at, first: torch.Tensor, stop: torch.Tensor, target: torch.Tensor, *,
@@ -475,7 +552,7 @@ def _expand(first: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def _build_items(queries: list[_Query], row_start: list[int], m_query: list[int], m_row: list[int],
                  saved_offsets: list[list[int]], dest_offsets: list[list[int]], storage_offsets: list[list[int]],
-                 lengths: list[list[int]]) -> list[ReadItem]:
+                 lengths: list[list[int]], ordinals: list[int] | None = None) -> list[ReadItem]:
     """``ReadItem`` objects for the matched (query, row) pairs, sharing equal ``torch.Size``
     values (stock builds fresh but equal ones)."""
     sizes: dict[tuple[int, ...], torch.Size] = {}
@@ -503,7 +580,8 @@ def _build_items(queries: list[_Query], row_start: list[int], m_query: list[int]
             type=tensor_type,
             dest_index=dest_index,
             dest_offsets=size_of(dest_offsets[k][:ndim]),
-            storage_index=MetadataIndex(q.fqn, size_of(saved_offsets[k][:ndim]), row - row_start[q.entry]),
+            storage_index=MetadataIndex(q.fqn, size_of(saved_offsets[k][:ndim]),
+                                        row - row_start[q.entry] if ordinals is None else ordinals[row]),
             storage_offsets=size_of(storage_offsets[k][:ndim]),
             lengths=size_of(lengths[k][:ndim]),
         ))

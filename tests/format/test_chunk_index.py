@@ -142,7 +142,7 @@ def _patched(data: bytes, field: str, value) -> bytes:
 
 @pytest.mark.parametrize("field,value,words", [
     ("magic", b"NOTINDEX", ["not a fastdcp chunk index"]),
-    ("version", 2, ["version 2"]),
+    ("version", 3, ["version 3"]),
     ("header_size", 64, ["unexpected header"]),
     ("flags", 6, ["unexpected header"]),
     ("width", 5000, ["width 5000"]),

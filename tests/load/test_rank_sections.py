@@ -1,0 +1,269 @@
+"""Loads that read one rank's section of the chunk index (format version 2), on real gloo ranks
+with real files: a same-layout load reads only its own section (a fraction of the index) and
+loads bit-exactly; a resharded load, stock's planner, and stock's reader read the whole table or
+``.metadata`` and load bit-exactly too; a damaged section, a damaged table and a missing index
+each fall back with a warning and still load bit-exactly. Unit tests: sections written for a
+bulk-planned table round-trip, and the planner's section plan equals its whole-table plan."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+import dcp_cases as C
+from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner, FastSavePlanner
+from fastdcp.format import chunk_index as CI
+
+WORLD = 4
+SHAPES = {"w": (10, 6), "tiny": (2, 3), "wide": (5, 12)}  # 10 rows on 4 ranks: 3,3,3,1; tiny: 1,1,0,0
+
+
+def _full(name: str) -> torch.Tensor:
+    shape = SHAPES.get(name, (7,))
+    return C.random_tensor(torch.float32 if name != "wide" else torch.bfloat16, shape, ("sections", name))
+
+
+def _state(mesh, placement) -> dict:
+    from torch.distributed.tensor import distribute_tensor
+
+    state = {name: distribute_tensor(_full(name), mesh, [placement]) for name in SHAPES}
+    state["replicated"] = _full("replicated")
+    state["step"] = torch.tensor(17.0)
+    state["extra"] = {"lr": 0.5, "note": "bytes entry"}
+    return state
+
+
+def _zeros_like(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        out[k] = {"lr": 0.0, "note": ""} if k == "extra" else torch.zeros_like(v)
+    return out
+
+
+def _check(loaded: dict, mesh, placement) -> None:
+    expected = _state(mesh, placement)
+    for k, v in expected.items():
+        got = loaded[k]
+        if k == "extra":
+            assert got == v, k
+            continue
+        a = got.to_local() if hasattr(got, "to_local") else got
+        b = v.to_local() if hasattr(v, "to_local") else v
+        assert a.shape == b.shape and a.dtype == b.dtype, k
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), k  # bits, NaNs too
+
+
+def _load(path: str, mesh, placement, reader, planner) -> tuple[dict, object]:
+    target = _zeros_like(_state(mesh, placement))
+    dcp.load(target, storage_reader=reader, planner=planner)
+    return target, reader
+
+
+def _worker(rank: int, store: str, root: str, phase: str) -> None:
+    import logging
+
+    from torch.distributed.tensor import Shard
+
+    from fastdcp.load.sectioned_metadata import SectionedTableMetadata, metadata_bytes_read
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("fastdcp").addHandler(Keep())
+    path = os.path.join(root, "ckpt")
+    report: dict = {"rank": rank}
+    with C.gloo_rank_mesh(rank, store, WORLD) as mesh:
+        if phase == "save":
+            dcp.save(_state(mesh, Shard(0)), storage_writer=FastFileSystemWriter(path), planner=FastSavePlanner())
+        elif phase == "loads":
+            before = metadata_bytes_read()
+            loaded, reader = _load(path, mesh, Shard(0), FastFileSystemReader(path), FastLoadPlanner())
+            _check(loaded, mesh, Shard(0))
+            md = reader._metadata_read
+            report["same_layout"] = {"sectioned": isinstance(md, SectionedTableMetadata),
+                                     "table_read": bool(getattr(md, "table_loaded", True)),
+                                     "bytes": metadata_bytes_read() - before}
+            loaded, reader = _load(path, mesh, Shard(1), FastFileSystemReader(path), FastLoadPlanner())
+            _check(loaded, mesh, Shard(1))
+            report["resharded_table_read"] = bool(reader._metadata_read.table_loaded)
+            for reader, planner in ((FileSystemReader(path), DefaultLoadPlanner()),
+                                    (FastFileSystemReader(path), DefaultLoadPlanner())):
+                loaded, _ = _load(path, mesh, Shard(0), reader, planner)
+                _check(loaded, mesh, Shard(0))
+        else:  # a damaged index: the same-layout load falls back and still loads bit-exactly
+            loaded, reader = _load(path, mesh, Shard(0), FastFileSystemReader(path), FastLoadPlanner())
+            _check(loaded, mesh, Shard(0))
+            report["table_read"] = bool(getattr(reader._metadata_read, "table_loaded", True))
+        report["warnings"] = warnings
+        with open(os.path.join(root, f"{phase}.{rank}.json"), "w") as f:  # (the process ends with the block)
+            json.dump(report, f)
+
+
+def _run(tmp_path, phase: str) -> list[dict]:
+    store = tmp_path / f"store-{phase}"
+    mp.start_processes(_worker, args=(str(store), str(tmp_path), phase), nprocs=WORLD, start_method="spawn")
+    reports = []
+    for rank in range(WORLD):
+        with open(tmp_path / f"{phase}.{rank}.json") as f:
+            reports.append(json.load(f))
+    return reports
+
+
+def _index_path(path) -> str:
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        name = CI.find_chunk_index_name(f.read(4096))
+    assert name is not None
+    return os.path.join(path, name)
+
+
+def _section_span(index_path: str, rank: int) -> tuple[int, int]:
+    fd = os.open(index_path, os.O_RDONLY)
+    try:
+        header = CI.read_index_header(fd, "test")
+        entry = os.pread(fd, CI._DIRECTORY_ENTRY.size, header.v2.directory_offset + rank * CI._DIRECTORY_ENTRY.size)
+    finally:
+        os.close(fd)
+    offset, length, _, _ = CI._DIRECTORY_ENTRY.unpack(entry)
+    return offset, length
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.fastdcp_timeout(300)
+def test_rank_sections_on_real_ranks(tmp_path):
+    _run(tmp_path, "save")
+    path = tmp_path / "ckpt"
+    index_path = _index_path(path)
+    fd = os.open(index_path, os.O_RDONLY)
+    try:
+        header = CI.read_index_header(fd, "test")
+    finally:
+        os.close(fd)
+    assert header.version == 2 and header.v2.sections == WORLD
+
+    reports = _run(tmp_path, "loads")
+    index_size = os.path.getsize(index_path)
+    md_size = os.path.getsize(path / ".metadata")
+    md_read = min(md_size, 4096) + min(md_size, 2 * CI.SECTION_EDGE_BYTES)  # its head, then its edges' CRCs
+    for r in reports:
+        same = r["same_layout"]
+        assert same["sectioned"] and not same["table_read"], r  # planned from its own section
+        # of the index: the header, shared objects and one section, less than the whole index
+        # (which every rank read before)
+        assert 0 < same["bytes"] - md_read < index_size, (same, md_read, index_size)
+        assert r["resharded_table_read"], r  # Shard(0) -> Shard(1): not covered, the whole table
+        assert not r["warnings"], r
+
+    # A damaged section: that rank warns, reads the whole table, loads bit-exactly.
+    offset, length = _section_span(index_path, 1)
+    _flip(index_path, offset + length // 2)
+    reports = _run(tmp_path, "damaged-section")
+    assert reports[1]["table_read"] and any("damaged section" in w for w in reports[1]["warnings"]), reports[1]
+    assert not reports[0]["table_read"] and not reports[0]["warnings"], reports[0]
+
+    # A damaged table as well: the whole index is refused, .metadata is parsed.
+    _flip(index_path, CI._HEADER_SIZE + 3)
+    reports = _run(tmp_path, "damaged-table")
+    assert any("damaged chunk index" in w for w in reports[1]["warnings"]), reports[1]
+
+    # No index at all: every rank parses .metadata (quietly: stock-like checkpoints have none).
+    os.remove(index_path)
+    reports = _run(tmp_path, "missing-index")
+    assert all(r["table_read"] for r in reports)
+
+
+# --------------------------------------------------------------------------- #
+# Unit: sections of a bulk-planned table, and plans from them
+# --------------------------------------------------------------------------- #
+
+
+def test_sections_hold_each_ranks_rows_and_round_trip():
+    import io
+
+    import chunk_table_cases as T
+    from fastdcp.format.chunk_table import RankRows
+
+    table = T.random_table(11, entries=25, max_chunks=6)
+    ranks = 5
+    generator = torch.Generator().manual_seed(3)
+    rows, start = [], [0]
+    for _ in range(ranks):
+        pick = torch.randperm(table.rows, generator=generator)[: table.rows // 3].sort().values.tolist()
+        rows += pick
+        start.append(len(rows))
+    table.rank_rows = RankRows(torch.tensor(start), torch.tensor(rows))
+    out = io.BytesIO()
+    CI.write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
+    whole = CI.read_chunk_index(out.getvalue(), "test")  # version 2 reads whole as version 1 did
+    assert torch.equal(whole.table.offsets, table.offsets) and whole.edge_bytes == CI.SECTION_EDGE_BYTES
+    import tempfile
+
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(out.getvalue())
+        f.flush()
+        header = CI.read_index_header(f.fileno(), "test")
+        for r in range(ranks):
+            section = CI.read_rank_section(f.fileno(), header, r, "test")
+            mine = rows[start[r]:start[r + 1]]
+            assert torch.equal(section.table.offsets, table.offsets[mine])
+            assert torch.equal(section.table.lengths, table.lengths[mine])
+            assert torch.equal(section.table.storage.byte_offset, table.storage.byte_offset[mine])
+            named = [section.table.storage.files[i] for i in section.table.storage.file_index.tolist()]
+            assert named == [table.storage.files[i] for i in table.storage.file_index[mine].tolist()]
+            entry = table.entry_of_rows()[mine]
+            assert section.ordinals.tolist() == (torch.tensor(mine) - table.row_start[entry]).tolist()
+        assert CI.read_rank_section(f.fileno(), header, ranks, "test") is None  # no such rank
+
+
+def test_a_forged_section_is_refused_naming_it(tmp_path):
+    import io
+
+    import chunk_table_cases as T
+    from fastdcp.format.chunk_table import RankRows
+    from fastdcp.format.metadata import CheckpointFormatError
+
+    table = T.random_table(12, entries=10, max_chunks=3)
+    table.rank_rows = RankRows(torch.tensor([0, 2, table.rows]), torch.arange(table.rows))
+    out = io.BytesIO()
+    CI.write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
+    data = bytearray(out.getvalue())
+    path = tmp_path / "index"
+    path.write_bytes(bytes(data))
+    offset, length = _section_span(str(path), 1)
+    # A record naming an entry past the table, with the section's CRC recomputed.
+    body_at = offset + CI._SECTION_HEADER.size
+    data[body_at: body_at + 8] = (10 ** 6).to_bytes(8, "little")
+    crc = CI.crc32c(bytes(data[offset: offset + length]))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header = CI.read_index_header(fd, "x")
+        entry_at = header.v2.directory_offset + CI._DIRECTORY_ENTRY.size
+    finally:
+        os.close(fd)
+    data[entry_at: entry_at + CI._DIRECTORY_ENTRY.size] = CI._DIRECTORY_ENTRY.pack(offset, length, crc, 0)
+    path.write_bytes(bytes(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header = CI.read_index_header(fd, "index 'x'")
+        with pytest.raises(CheckpointFormatError, match=r"index 'x'.*section of rank 1.*entry that does not exist"):
+            CI.read_rank_section(fd, header, 1, "index 'x'")
+        assert CI.read_rank_section(fd, header, 0, "index 'x'") is not None
+    finally:
+        os.close(fd)
