@@ -85,6 +85,7 @@ class BenchConfig:
     local_tier: str = "/dev/shm"            # tiered: where the local tier's directories go (node-local)
     plan_ranks: list[int] = field(default_factory=lambda: [256, 1024, 4096])   # plan_scale: simulated N
     plan_budget_s: float = 600.0            # plan_scale: most seconds to build every rank's load plan
+    plan_systems: list[str] | None = None   # plan_scale: which of stock, fastdcp (None: both)
     s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
     s3_size: int = 1 * GiB                  # s3: state size (moto takes ~0.1 GiB/s: 1 GiB is ~25 min)
     probe_bytes: int = 1 * GiB
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan_scale: seconds allowed for building every rank's local load plan with the "
                         "planner; above it (estimated from sample ranks) the others are built by a reference "
                         "(default 600)")
+    p.add_argument("--plan-systems", type=_csv,
+                   help="plan_scale: which systems to simulate, of stock,fastdcp (default both; stock's 4,096-rank run "
+                        "takes over half an hour, so larger N are run with fastdcp alone)")
     p.add_argument("--s3-size", type=parse_size,
                    help="s3: state size (default the smaller of --size and 1GiB: the test server takes ~0.1 GiB/s)")
     p.add_argument("--s3-delay-ms", type=float,
@@ -315,6 +319,11 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if not a.plan_ranks or min(a.plan_ranks) < 2:
             parser.error("--plan-ranks needs rank counts >= 2")
         c.plan_ranks = a.plan_ranks
+    if a.plan_systems is not None:
+        unknown = sorted(set(a.plan_systems) - {"stock", "fastdcp"})
+        if unknown or not a.plan_systems:
+            parser.error(f"--plan-systems takes stock and/or fastdcp, not {unknown or 'nothing'}")
+        c.plan_systems = a.plan_systems
     if a.plan_budget is not None:
         if a.plan_budget < 0:
             parser.error("--plan-budget must be >= 0")

@@ -136,6 +136,7 @@ FINISH = "finish"
 BROADCAST_SEND = "metadata broadcast: send (pickle)"
 BROADCAST_RECEIVE = "metadata broadcast: receive (unpickle)"
 READ_METADATA = "read_metadata (first in the process)"
+OWN_LOAD = "own process: read_metadata + set-ups + local plan"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,6 +506,7 @@ class PlanScaleSimulation:
             broadcast = self._step(SAVE, COORDINATOR, BROADCAST_SEND, lambda: pickle.dumps(metadata))
         self.info["metadata_broadcast_bytes"] = len(broadcast)
         self.info["metadata_file_bytes"] = os.path.getsize(os.path.join(self.checkpoint, ".metadata"))
+        self.info["chunk_index_bytes"] = _chunk_index_size(self.checkpoint)
         self.info["chunks"] = sum(len(getattr(md, "chunks", ())) for md in metadata.state_dict_metadata.values())
         with _simulated(receiver_state):
             self._step(SAVE, RANK, BROADCAST_RECEIVE, lambda: pickle.loads(broadcast), rank=receiver,
@@ -605,15 +607,53 @@ class PlanScaleSimulation:
         finally:
             ranks.close()
 
+    def _own_load(self, phase: str, r: int, state_dict: dict[str, Any]) -> LoadPlan:
+        """Rank ``r``'s load as its own process would start it (fastdcp only): a fresh reader and
+        metadata cache, ``read_metadata`` with the default group being rank ``r`` of the load's
+        world (so fastdcp may read just this rank's section of the chunk index), the set-ups and
+        the local plan, measured as one step; the metadata bytes it read go into ``info``."""
+        from fastdcp.load.sectioned_metadata import metadata_bytes_read
+
+        _clear_metadata_cache()
+        gc.collect()
+        reader = self.system.reader(self.checkpoint)
+        planner = self.system.load_planner()
+        before = metadata_bytes_read()
+
+        def run() -> tuple[LoadPlan, Any]:
+            metadata = reader.read_metadata()
+            planner.set_up_planner(state_dict, metadata, r == 0)
+            if _takes_kwargs(reader.set_up_storage_reader):
+                reader.set_up_storage_reader(metadata, r == 0, rank=r, use_collectives=True)
+            else:
+                reader.set_up_storage_reader(metadata, r == 0)
+            return planner.create_local_plan(), metadata
+
+        with _simulated(_process_state()):
+            plan, metadata = self._step(phase, RANK, OWN_LOAD, run, rank=r)
+        record = self.records[-1]
+        reads = self.info.setdefault(f"{phase}_metadata_reads", {})
+        reads[str(r)] = {"read_bytes": metadata_bytes_read() - before, "peak_bytes": record.peak_bytes,
+                         "seconds": record.seconds, "from_section": not getattr(metadata, "table_loaded", True)}
+        del reader, planner, metadata
+        _clear_metadata_cache()
+        return plan
+
     def _sample_load(self, phase: str, ranks: SimulatedRanks, r: int, state: Any, reader: Any, metadata: Metadata,
                      layout: ChunkLayout) -> tuple[Any, bytes, bool | None]:
         """A sample rank's measured local load step: its planner, its pickled plan, and whether the
         reference builds the same items (None when no other rank may need the reference). The
         items are kept on rank 1 for the comparison between systems."""
         state_dict = ranks.state_dict(r)
+        own = self._own_load(phase, r, state_dict) if self.system.name == "fastdcp" else None
         with _simulated(state):
             planner, plan = self._local_load(phase, r, state_dict, reader, metadata)
             blob = self._step(phase, RANK, GATHER_SEND, lambda: pickle.dumps(plan), rank=r)
+        if own is not None:
+            same = list(own.items) == list(plan.items)
+            self.checks.append(Check(f"{phase}: rank {r}'s plan in its own process (its section of the chunk index, "
+                                     f"or the whole index) = its plan from the whole metadata", same,
+                                     "" if same else "item lists differ"))
         if r == 1 or ranks.world_size == 1:
             self.load_plans[(phase, r)] = list(plan.items)
         same = None
@@ -662,12 +702,23 @@ class PlanScaleSimulation:
 # --------------------------------------------------------------------------- the scenario
 
 
+def _chunk_index_size(checkpoint: str) -> int | None:
+    """The size of the chunk index the checkpoint's ``.metadata`` names (None: it names none)."""
+    from fastdcp.format.chunk_index import find_chunk_index_name
+
+    with open(os.path.join(checkpoint, ".metadata"), "rb") as f:
+        name = find_chunk_index_name(f.read(4096))
+    return None if name is None else os.path.getsize(os.path.join(checkpoint, name))
+
+
 def _systems(ctx: Any) -> list[PlanSystem]:
-    """stock when --systems has it; fastdcp when it has any fastdcp system that is not a stand-in."""
+    """stock when --systems has it; fastdcp when it has any fastdcp system that is not a stand-in;
+    each only when ``--plan-systems`` names it (default: both)."""
     systems = []
-    if any(s.name == "stock" for s in ctx.systems):
+    allowed = set(getattr(ctx.cfg, "plan_systems", None) or SYSTEMS)
+    if "stock" in allowed and any(s.name == "stock" for s in ctx.systems):
         systems.append(stock_system())
-    fast = [s for s in ctx.systems if s.name.startswith("fastdcp")]
+    fast = [s for s in ctx.systems if s.name.startswith("fastdcp")] if "fastdcp" in allowed else []
     if fast and not any(s.standin for s in fast):
         systems.append(fastdcp_system())
     elif fast:

@@ -188,6 +188,83 @@ def _totals(s: SystemSummary) -> dict[str, float | None]:
     return {name: value for (name, _), value in zip(TOTALS, values)}
 
 
+# --------------------------------------------------------------------------- metadata reads
+
+
+def metadata_reads(summary: SystemSummary) -> dict[str, dict[str, Any]]:
+    """Per load phase, what a rank's own process read of the checkpoint's metadata (fastdcp's
+    ``OWN_LOAD`` step on the sample ranks): the most bytes a rank read
+    (``rank_metadata_read_bytes``), its peak memory for read + plan (``rank_metadata_peak_bytes``),
+    the total across the load's ranks (``total_metadata_read_bytes``: the load's rank count times
+    the sample ranks' mean, every rank reading the same parts), and the slowest read + plan."""
+    out: dict[str, dict[str, Any]] = {}
+    for phase, world in ((LOAD_SAME, summary.ranks), (LOAD_HALF, summary.ranks // 2)):
+        reads = summary.info.get(f"{phase}_metadata_reads")
+        if not reads:
+            continue
+        rows = list(reads.values())
+        read = [int(r["read_bytes"]) for r in rows]
+        peaks = [r["peak_bytes"] for r in rows if r.get("peak_bytes") is not None]
+        out[phase] = {
+            "ranks": world,
+            "rank_metadata_read_bytes": max(read),
+            "rank_metadata_peak_bytes": max(peaks) if peaks else None,
+            "total_metadata_read_bytes": int(world * sum(read) / len(read)),
+            "rank_load_plan_seconds": max(float(r["seconds"]) for r in rows),
+            "from_section": all(bool(r.get("from_section")) for r in rows),
+            "sample_ranks": sorted(int(k) for k in reads),
+        }
+    return out
+
+
+SCALE_BARS_AT_RANKS = 16384  # the rank count the resume-at-scale issue set its bars at
+
+
+def scale_bars(systems: dict[tuple[str, int], SystemSummary]) -> tuple[int | None, list[Bar]]:
+    """The resume-at-scale bars for fastdcp at its largest N."""
+    ns = sorted({n for (name, n) in systems if name == "fastdcp"})
+    if not ns:
+        return None, []
+    n = ns[-1]
+    run = systems[("fastdcp", n)]
+    reads = metadata_reads(run)
+    md = run.info.get("metadata_file_bytes")
+    out = []
+
+    def limit_bar(name: str, value: float | None, limit: float, unit: str) -> Bar:
+        if value is None:
+            return Bar(name, "-", None)
+        shown = f"{value / MIB:.2f} MiB" if unit == "MiB" else f"{value:.3f} s"
+        return Bar(name, shown, value <= limit)
+
+    same, half = reads.get(LOAD_SAME, {}), reads.get(LOAD_HALF, {})
+    out.append(limit_bar("same-layout resume: a rank reads <= 16 MiB of metadata", same.get("rank_metadata_read_bytes"),
+                         16 * MIB, "MiB"))
+    out.append(limit_bar("resharded resume (N/2 ranks): a rank reads <= 64 MiB", half.get("rank_metadata_read_bytes"),
+                         64 * MIB, "MiB"))
+    peaks = [r.get("rank_metadata_peak_bytes") for r in (same, half)]
+    peak = max(p for p in peaks if p is not None) if any(p is not None for p in peaks) else None
+    out.append(limit_bar("a rank holds <= 256 MiB for it (peak, both loads)", peak, 256 * MIB, "MiB"))
+    for phase, label in ((LOAD_SAME, "same layout"), (LOAD_HALF, "resharded")):
+        total = reads.get(phase, {}).get("total_metadata_read_bytes")
+        if total is None or not md:
+            out.append(Bar(f"total read across ranks <= 4x .metadata ({label})", "-", None))
+        else:
+            out.append(Bar(f"total read across ranks <= 4x .metadata ({label})",
+                           f"{total / GIB:.2f} GiB = {total / md:.2f}x the {md / GIB:.2f} GiB .metadata", total <= 4 * md))
+    t = run.totals
+    out.append(limit_bar("first-save coordinator <= 15 s", t.get(TOTALS[0][0]), 15.0, "s"))
+    coordinator = t.get(TOTALS[9][0])
+    out.append(Bar("first-save coordinator memory <= 4 GiB (est. peak, largest phase)",
+                   "-" if coordinator is None else f"{coordinator / GIB:.3f} GiB",
+                   None if coordinator is None else coordinator <= 4 * GIB))
+    out.append(limit_bar("repeat save <= 1 s", t.get(TOTALS[3][0]), 1.0, "s"))
+    out.append(limit_bar("a rank's load plan (own process: read_metadata + plan) <= 0.1 s, same layout",
+                         same.get("rank_load_plan_seconds"), 0.1, "s"))
+    out.append(limit_bar("the same, resharded", half.get("rank_load_plan_seconds"), 0.1, "s"))
+    return n, out
+
+
 # --------------------------------------------------------------------------- bars
 
 BARS_AT_RANKS = 4096  # the rank count the planning issue set its bars at
@@ -322,6 +399,16 @@ def plan_scale_lines(results: list[Result]) -> list[str]:
                        f"{inf.get('simulation_seconds', 0):.0f} s")
             for note in run.notes:
                 out.append(f"  {name}: {note}")
+            for phase, r in metadata_reads(run).items():
+                md = inf.get("metadata_file_bytes") or 0
+                out.append(
+                    f"  {name}: {phase} ({r['ranks']:,} ranks), a rank's own process: reads "
+                    f"{_mib(r['rank_metadata_read_bytes'])} MiB of metadata "
+                    f"({'its section of the chunk index' if r['from_section'] else 'the whole chunk index'}; "
+                    f"index {_mib(inf.get('chunk_index_bytes'))} MiB), peak {_mib(r['rank_metadata_peak_bytes'])} MiB, "
+                    f"read + plan {_s(r['rank_load_plan_seconds'])} s; all ranks read "
+                    f"{r['total_metadata_read_bytes'] / GIB:.2f} GiB"
+                    + (f" = {r['total_metadata_read_bytes'] / md:.2f}x .metadata" if md else ""))
         keys: list[tuple[str, str, str]] = []
         for run in runs.values():
             if run is not None:
@@ -378,6 +465,13 @@ def plan_scale_lines(results: list[Result]) -> list[str]:
         for bar in bar_list:
             mark = "n/a " if bar.passed is None else ("PASS" if bar.passed else "FAIL")
             out.append(f"  [{mark}] {bar.name}: {bar.value}")
+    n, scale = scale_bars(systems)
+    if scale and n is not None and n >= SCALE_BARS_AT_RANKS:
+        out.append("")
+        out.append(f"plan_scale resume-at-scale bars (fastdcp at N={n:,}):")
+        for bar in scale:
+            mark = "n/a " if bar.passed is None else ("PASS" if bar.passed else "FAIL")
+            out.append(f"  [{mark}] {bar.name}: {bar.value}")
     if checks:
         out.append("")
         out.append("plan_scale checks:")
@@ -410,6 +504,9 @@ def plan_scale_json(results: list[Result]) -> dict[str, Any] | None:
                                    prev.ranks if prev else n, n) if unit == "s" else None
             for total, unit in TOTALS}
         runs.append({"system": name, "ranks": n, "steps": steps, "totals": summary.totals,
-                     "totals_growth_exponent": totals_growth, "info": summary.info, "notes": summary.notes})
+                     "totals_growth_exponent": totals_growth, "info": summary.info, "notes": summary.notes,
+                     "metadata_reads": metadata_reads(summary)})
     n, bar_list = bars(systems)
-    return {"runs": runs, "bars_at_ranks": n, "bars": [dataclasses.asdict(b) for b in bar_list], "checks": checks}
+    scale_n, scale = scale_bars(systems)
+    return {"runs": runs, "bars_at_ranks": n, "bars": [dataclasses.asdict(b) for b in bar_list],
+            "scale_bars_at_ranks": scale_n, "scale_bars": [dataclasses.asdict(b) for b in scale], "checks": checks}
