@@ -31,6 +31,7 @@ range, byte ranges non-negative and bounded, checksums 32-bit or absent). Every 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -57,6 +58,7 @@ __all__ = [
     "RankSection",
     "edge_bytes_for",
     "has_rank_sections",
+    "merge_sections",
     "read_index_header",
     "read_rank_section",
     "read_shared_objects",
@@ -830,6 +832,51 @@ def read_rank_section(fd: int, header: IndexHeader, rank: int, where: str, *, al
         inner_empty=frozenset(shared["inner_empty"]), planner_data=shared["planner_data"],
         storage_meta=shared["storage_meta"], version=shared["version"], bytes_read=bytes_read,
     )
+
+
+def merge_sections(sections: list[RankSection]) -> RankSection:
+    """One :class:`RankSection` holding the rows of every section in ``sections`` (sections of
+    one index), each row once, in table order; named after the first section's rank. What a rank
+    plans from when its own section does not cover its load but a few others do."""
+    first = sections[0]
+    if len(sections) == 1:
+        return first
+    names: dict[str, int] = {}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("entry", "ordinal", "offsets", "lengths", "file",
+                                                            "byte_offset", "byte_length", "checksums")}
+    for section in sections:
+        t = section.table
+        storage = t.storage
+        assert storage is not None
+        remap = torch.tensor([names.setdefault(n, len(names)) for n in storage.files] or [0], dtype=torch.int64)
+        parts["entry"].append(t.entry_of_rows())
+        parts["ordinal"].append(section.ordinals)
+        parts["offsets"].append(t.offsets)
+        parts["lengths"].append(t.lengths)
+        parts["file"].append(remap.index_select(0, storage.file_index.to(torch.int64)))
+        parts["byte_offset"].append(storage.byte_offset)
+        parts["byte_length"].append(storage.byte_length)
+        parts["checksums"].append(storage.checksums)
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    entry, ordinal = cat["entry"], cat["ordinal"]
+    key = entry * (int(ordinal.max()) + 1 if len(ordinal) else 1) + ordinal
+    order = torch.argsort(key, stable=True)
+    ordered = key.index_select(0, order)
+    keep = torch.ones(len(order), dtype=torch.bool)
+    if len(order) > 1:
+        keep[1:] = ordered[1:] != ordered[:-1]
+    rows = order[keep]
+    entries = len(first.table.fqns)
+    row_start = torch.zeros(entries + 1, dtype=torch.int64)
+    row_start[1:] = torch.cumsum(torch.bincount(entry.index_select(0, rows), minlength=entries), 0)
+    storage = StorageColumns(files=list(names), file_index=cat["file"].index_select(0, rows).to(torch.int32),
+                             byte_offset=cat["byte_offset"].index_select(0, rows),
+                             byte_length=cat["byte_length"].index_select(0, rows),
+                             checksums=cat["checksums"].index_select(0, rows))
+    table = ChunkTable(list(first.table.fqns), list(first.table.properties), list(first.table.sizes), row_start,
+                       cat["offsets"].index_select(0, rows), cat["lengths"].index_select(0, rows), storage)
+    return dataclasses.replace(first, table=table, ordinals=ordinal.index_select(0, rows),
+                               bytes_read=sum(s.bytes_read for s in sections))
 
 
 _COMMON_KEYS = ("fqns", "properties", "sizes", "row_counts", "extents", "inner_empty", "planner_data", "storage_meta",

@@ -44,7 +44,9 @@ __all__ = ["IndexSource", "SectionedTableMetadata", "SectionStorageData", "metad
 
 logger = logging.getLogger("fastdcp")
 
-_SECTIONS_KEPT = 4  # sections of different ranks remembered per index (one process plays one rank)
+# Sections remembered per index: a rank's own, and those a resharded load probed and used
+# (fastdcp.planners.read_items.covering_read_items: about log2(ranks) probes, a few used).
+_SECTIONS_KEPT = 48
 
 _read_lock = threading.Lock()
 _bytes_read = 0
@@ -139,6 +141,7 @@ class IndexSource:
 
 _SOURCE = "_sectioned_source"
 _RANK = "_sectioned_rank"
+_PLANNED = "_sectioned_planned_from"
 
 
 class SectionedTableMetadata(TableMetadata):
@@ -175,12 +178,33 @@ class SectionedTableMetadata(TableMetadata):
 
     def bind_rank(self, rank: int | None) -> None:
         """The rank whose section :meth:`rank_section` returns (the reader sets it)."""
+        if rank != self.__dict__[_RANK]:
+            self.__dict__[_PLANNED] = None
         self.__dict__[_RANK] = rank
 
     def rank_section(self) -> RankSection | None:
         """The bound rank's section (None: no rank bound, or no usable section)."""
         rank = self.__dict__[_RANK]
         return None if rank is None else self.__dict__[_SOURCE].section(rank)
+
+    def planned_from(self, section: RankSection) -> None:
+        """The planner planned this load from ``section`` (the rank's own, or merged with other
+        ranks' sections): storage lookups answer from it."""
+        self.__dict__[_PLANNED] = section
+
+    def answering_section(self) -> RankSection | None:
+        """The section storage lookups answer from: the one the plan came from, else the rank's."""
+        return self.__dict__.get(_PLANNED) or self.rank_section()
+
+    def section_of(self, rank: int) -> RankSection | None:
+        """Any rank's section (for a load whose layout differs from the save's)."""
+        return self.__dict__[_SOURCE].section(rank)
+
+    @property
+    def section_count(self) -> int:
+        """How many sections the index has (the save's rank count)."""
+        v2 = self.__dict__[_SOURCE].header.v2
+        return 0 if v2 is None else v2.sections
 
     @property
     def storage_data(self) -> Any:  # type: ignore[override]
@@ -257,7 +281,7 @@ class SectionStorageData(MutableMapping):
         """The view answering now (compare by identity to see when it changed)."""
         md = self._metadata
         if not md.table_loaded:
-            section = md.rank_section()
+            section = md.answering_section()
             if section is not None:
                 if self._section_view is None or self._section_view[0] is not section:
                     self._section_view = (section, TableStorageData(section.table))

@@ -23,7 +23,7 @@ from ..io.gc import gc_paused
 from .items import _local_read_items, _metadata_key
 from . import plan_cache
 from .plan_cache import _PackedItems, as_item_list
-from .read_items import chunk_table_of, section_read_items, table_plan_key, table_read_items
+from .read_items import chunk_table_of, covering_read_items, table_plan_key, table_read_items
 from .structure import (
     _MISSING,
     _PLAIN_TENSOR_TYPES,
@@ -141,26 +141,30 @@ class FastLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def _plan_from_section(self, section: Any) -> LoadPlan | None:
-        """The plan from this rank's section of the chunk index alone, or None when the section
-        does not cover it (:func:`~fastdcp.planners.read_items.section_read_items`)."""
+        """The plan from this rank's section of the chunk index, with the few other ranks' sections
+        a resharded load needs, or None when they do not cover it
+        (:func:`~fastdcp.planners.read_items.covering_read_items`)."""
         key = None
         if self._structure_key is not None:
             key = (self._structure_key, ("section", table_plan_key(section.table)))
-            items = plan_cache.current_process_state().local_load_plans.get(key)
-            if items is not None:
+            cached = plan_cache.current_process_state().local_load_plans.get(key)
+            if cached is not None:
                 self.local_plan_hits += 1
-                return LoadPlan(items)
+                self.metadata.planned_from(cached[1])
+                return LoadPlan(cached[0])
         missing = set(section.table.fqns) - self.state_dict.keys()
         if missing and self.flatten_state_dict and _has_legacy_keys(self.original_state_dict, missing):
             return None  # a pre-2.4 checkpoint: stock re-flattens
         with gc_paused():
-            found = section_read_items(self.state_dict, section, not self.allow_partial_load)
+            found = covering_read_items(self.state_dict, section, self.metadata.section_of, self.metadata.section_count,
+                                        not self.allow_partial_load)
         if found is None:
             return None
         self.local_plan_misses += 1
-        items = _PackedItems(found)
+        self.metadata.planned_from(found[1])  # the reader's storage lookups answer from it
+        items = _PackedItems(found[0])
         if key is not None:
-            plan_cache.current_process_state().local_load_plans.put(key, items)
+            plan_cache.current_process_state().local_load_plans.put(key, (items, found[1]))
         return LoadPlan(items)
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:

@@ -34,7 +34,7 @@ import bisect
 import dataclasses
 import itertools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +54,8 @@ from ..format.chunk_table import ChunkTable
 from ..io.gc import gc_paused
 from .structure import _PLAIN_TENSOR_TYPES
 
-__all__ = ["ReadIndex", "chunk_table_of", "entry_metadata", "read_index", "section_read_items", "table_plan_key",
-           "table_read_items"]
+__all__ = ["ReadIndex", "chunk_table_of", "covering_read_items", "entry_metadata", "read_index", "section_read_items",
+           "table_plan_key", "table_read_items"]
 
 _NOT_SORTED = -1  # ReadIndex.bisect_dim of an entry sorted along no dimension
 _INDEX_ATTRIBUTE = "_fastdcp_read_index"
@@ -265,7 +265,101 @@ def _section_index(section: RankSection) -> ReadIndex:
 
 
 class _NotCovered(Exception):
-    """The section cannot plan this state dict (section_read_items returns None)."""
+    """The section cannot plan this state dict (section_read_items returns None). ``box``: an
+    (entry, offsets, sizes) destination chunk it does not cover, when more sections could."""
+
+    def __init__(self, box: tuple[int, Any, Any] | None = None) -> None:
+        super().__init__()
+        self.box = box
+
+
+def covering_read_items(state_dict: Mapping[str, Any], own: RankSection, section_of: Callable[[int], Any],
+                        sections: int, strict: bool, *, max_sections: int = 64,
+                        max_rounds: int = 4) -> tuple[list[ReadItem], RankSection] | None:
+    """:func:`section_read_items` from ``own`` and, when it does not cover the plan, from the few
+    other ranks' sections that hold the chunks it lacks (``section_of(rank)`` reads one; the index
+    has ``sections``), or None when at most ``max_sections`` sections found in ``max_rounds``
+    rounds do not cover it (the caller reads the whole table). Returns the items and the section
+    (``own``, or ``own`` merged with the others) they were planned from.
+
+    A load on another world size or layout (N ranks to N/2, FSDP to HSDP) needs each rank's
+    chunks from a few save ranks. An uncovered destination chunk's first element is searched for
+    among the sections by bisection on the position of each section's first chunk of that entry
+    (ranks of a ``Shard`` save hold consecutive pieces; the first probe is where the element's
+    position in the tensor points), then the following sections up to the chunk's last element
+    are taken. Whatever the layout, the plan is used only if the sections found cover it, so a
+    layout that breaks the ordering costs reads, never correctness."""
+    from ..format.chunk_index import merge_sections
+
+    current, included = own, {own.rank}
+    for _ in range(max_rounds):
+        try:
+            return _table_read_items(state_dict, current.table, strict, current), current
+        except _NotCovered as e:
+            box = e.box
+        if box is None:
+            return None
+        found = _sections_holding(box, current, section_of, sections, max_sections)
+        new = [k for k in found if k not in included]
+        if not new or len(included) + len(new) > max_sections:
+            return None
+        more = [section_of(k) for k in new]
+        if any(m is None for m in more):
+            return None
+        included.update(new)
+        current = merge_sections([current, *more])
+    return None
+
+
+def _linear(offsets: Sequence[int], strides: list[int]) -> int:
+    return sum(o * st for o, st in zip(offsets, strides))
+
+
+def _sections_holding(box: tuple[int, Any, Any], current: RankSection, section_of: Callable[[int], Any],
+                      sections: int, limit: int) -> list[int]:
+    """The ranks whose sections hold the chunks of entry ``box[0]`` from the box's first element
+    to its last, assuming sections in rank order hold that entry's chunks in increasing
+    position (see :func:`covering_read_items`); [] when a probed section breaks the assumption."""
+    entry, offsets, sizes = box
+    size = list(current.table.sizes[entry])
+    strides = [1] * len(size)
+    for d in range(len(size) - 2, -1, -1):
+        strides[d] = strides[d + 1] * size[d + 1]
+    numel = strides[0] * size[0] if size else 1
+    first = _linear(offsets, strides)
+    last = _linear([o + n - 1 for o, n in zip(offsets, sizes)], strides)
+
+    def start_of(rank: int) -> int | None:
+        section = section_of(rank)
+        if section is None:
+            return None
+        t = section.table
+        lo, hi = int(t.row_start[entry]), int(t.row_start[entry + 1])
+        if lo == hi:
+            return None
+        return min(_linear(row, strides) for row in t.offsets[lo:hi, :len(size)].tolist())
+
+    # The last rank whose first chunk of the entry starts at or before `first`.
+    lo, hi = 0, sections - 1
+    probe = min(sections - 1, first * sections // max(numel, 1))
+    while lo < hi:
+        at = start_of(probe)
+        if at is None:
+            return []
+        if at <= first:
+            lo = probe
+        else:
+            hi = probe - 1
+        probe = (lo + hi + 1) // 2
+    found = [lo]
+    k = lo + 1
+    while k < sections and len(found) < limit:
+        at = start_of(k)
+        if at is None or at > last:
+            break
+        found.append(k)
+        k += 1
+    return found
 
 
 def table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: bool, *,
@@ -313,10 +407,12 @@ def _table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: 
                 other.append((len(queries), [_bytes_read_item(fqn)]))
                 continue
             local_chunks = _local_chunks(fqn, obj, dtensor_chunks)
-            if section is not None and local_chunks and (
-                    e in section.inner_empty
-                    or (index.row_start[e + 1] == index.row_start[e] and section.row_counts[e])):
+            if section is not None and local_chunks and e in section.inner_empty:
                 raise _NotCovered
+            if section is not None and local_chunks and index.row_start[e + 1] == index.row_start[e] \
+                    and section.row_counts[e]:
+                chunk = local_chunks[0]
+                raise _NotCovered((e, chunk.offsets, chunk.sizes) if len(chunk.offsets) == len(size) else None)
             if not local_chunks or index.row_start[e + 1] == index.row_start[e]:
                 continue
             ndim = len(size)
@@ -368,7 +464,7 @@ def _check_covered(queries: list[_Query], query_items: tuple[list[ReadItem], lis
                 piece *= n
             covered += piece
         if covered != volume:
-            raise _NotCovered
+            raise _NotCovered((q.entry, q.offsets, q.sizes))
 
 
 def _bytes_read_item(fqn: str) -> ReadItem:

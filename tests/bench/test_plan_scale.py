@@ -29,6 +29,7 @@ from fastdcp.bench.plan_scale import (
     LOAD_HALF,
     LOAD_SAME,
     PHASES,
+    OWN_LOAD,
     RANK,
     READ,
     REPEAT,
@@ -289,14 +290,24 @@ def test_plan_scale_end_to_end(tmp_path, capsys):
     assert {phase for phase, _, _ in expected} == set(PHASES)
     assert {side for _, side, _ in expected} == {RANK, COORDINATOR}
     assert (READ, RANK, "read_metadata (first in the process)") in expected
+    own_loads = {(LOAD_SAME, RANK, OWN_LOAD), (LOAD_HALF, RANK, OWN_LOAD)}  # fastdcp's own-process loads
     for (system, n), run in runs.items():
-        assert {(s["phase"], s["side"], s["step"]) for s in run["steps"]} == expected, (system, n)
+        steps = {(s["phase"], s["side"], s["step"]) for s in run["steps"]}
+        assert steps == (expected | own_loads if system == "fastdcp" else expected), (system, n)
         assert all(s["seconds"] >= 0 for s in run["steps"])
         assert all(run["totals"][name] is not None for name, _ in TOTALS), (system, n, run["totals"])
         if n == 4:
             assert all(s["growth_exponent"] is None or math.isfinite(s["growth_exponent"]) for s in run["steps"])
         rank_steps = [s for s in run["steps"] if s["side"] == RANK and s["phase"] == LOAD_HALF]
         assert max(s["ranks_measured"] for s in rank_steps) == n // 2
+    for n in (2, 4):
+        reads = runs[("fastdcp", n)]["metadata_reads"]
+        # a same-layout load plans from the rank's own section; N -> N/2 from a few sections
+        # (a load by one process, N/2 = 1, reads the whole index: no section is its own)
+        assert reads[LOAD_SAME]["from_section"] and reads[LOAD_HALF]["from_section"] == (n > 2), reads
+        assert 0 < reads[LOAD_SAME]["rank_metadata_read_bytes"] <= reads[LOAD_SAME]["total_metadata_read_bytes"]
+        assert reads[LOAD_SAME]["rank_metadata_peak_bytes"] is not None
+    assert any("in its own process" in c["check"] for c in doc["checks"])
     assert doc["checks"] and all(c["passed"] for c in doc["checks"])
     assert any("state_dict_metadata" in c["check"] for c in doc["checks"])
     assert doc["bars_at_ranks"] == 4 and len(doc["bars"]) == 9
