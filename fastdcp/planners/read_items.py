@@ -407,8 +407,9 @@ def _table_read_items(state_dict: Mapping[str, Any], table: ChunkTable, strict: 
                 other.append((len(queries), [_bytes_read_item(fqn)]))
                 continue
             local_chunks = _local_chunks(fqn, obj, dtensor_chunks)
-            if section is not None and local_chunks and e in section.inner_empty:
-                raise _NotCovered
+            if section is not None and local_chunks and (e in section.inner_empty
+                                                         or (not len(size) and section.row_counts[e] != 1)):
+                raise _NotCovered  # (a 0-d tensor saved as several chunks: every one is read)
             if section is not None and local_chunks and index.row_start[e + 1] == index.row_start[e] \
                     and section.row_counts[e]:
                 chunk = local_chunks[0]
