@@ -626,9 +626,22 @@ def _check_objects(fail: Any, entries: int, fqns: Any, properties: Any, sizes: A
         raise fail(f"version is a {type(version).__name__}, not a string")
 
 
-def _check_columns(fail: Any, table: ChunkTable, partial: bool = False) -> None:
+def _entry_bounds(sizes: list[Any], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ndims, bounds): each entry's dimension count (-1: bytes) and its size padded with zeros
+    to ``width`` (a row's chunk must lie inside it; columns past ndim, and bytes rows, must be 0)."""
+    ndims = torch.tensor([-1 if s is None else len(s) for s in sizes], dtype=torch.int64)
+    flat = [0] * (len(sizes) * width)
+    for e, size in enumerate(sizes):
+        if size is not None and len(size) <= width:
+            flat[e * width: e * width + len(size)] = list(size)
+    return ndims, torch.tensor(flat, dtype=torch.int64).view(len(sizes), width)
+
+
+def _check_columns(fail: Any, table: ChunkTable, partial: bool = False,
+                   entry_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Every column against the others (vectorised; a bounded number of rows at a time).
-    ``partial``: the table is one rank's section, where a bytes entry may have no row."""
+    ``partial``: the table is one rank's section, where a bytes entry may have no row;
+    ``entry_bounds``: :func:`_entry_bounds` of the table's sizes, when already known."""
     entries, rows, width = len(table.fqns), table.rows, int(table.offsets.shape[1])
     row_start = table.row_start
     if int(row_start[0]) != 0 or int(row_start[-1]) != rows:
@@ -637,7 +650,7 @@ def _check_columns(fail: Any, table: ChunkTable, partial: bool = False) -> None:
     if entries and bool((counts < 0).any()):
         e = int(torch.nonzero(counts < 0)[0])
         raise fail(f"row_start decreases at entry {shown(table.fqns[e])}")
-    ndims = torch.tensor([-1 if s is None else len(s) for s in table.sizes], dtype=torch.int64)
+    ndims, bounds = entry_bounds if entry_bounds is not None else _entry_bounds(table.sizes, width)
     is_bytes = ndims < 0
     wrong = (counts > 1) if partial else (counts != 1)
     if bool((is_bytes & wrong).any()):
@@ -646,12 +659,6 @@ def _check_columns(fail: Any, table: ChunkTable, partial: bool = False) -> None:
     if bool(((ndims > width) & (counts > 0)).any()):
         e = int(torch.nonzero((ndims > width) & (counts > 0))[0])
         raise fail(f"entry {shown(table.fqns[e])} has {int(ndims[e])} dimensions, more than the table's {width}")
-    # Each entry's size padded with zeros to the width: a row's chunk must lie inside it (columns
-    # past ndim, and bytes rows, must be zero).
-    bounds = torch.zeros((entries, width), dtype=torch.int64)
-    for e, size in enumerate(table.sizes):
-        if size is not None and len(size) and len(size) <= width:
-            bounds[e, : len(size)] = torch.tensor(list(size), dtype=torch.int64)
     storage = table.storage
     nfiles = len(storage.files) if storage is not None else 0
     for start in range(0, rows, _CHECK_ROWS):
@@ -967,8 +974,11 @@ def _section_table(raw: bytes, header: IndexHeader, common: dict[str, Any], fail
     table = ChunkTable(list(common["fqns"]), list(common["properties"]), list(common["sizes"]), row_start,
                        records[:, _SECTION_FIXED:_SECTION_FIXED + width].clone(),
                        records[:, _SECTION_FIXED + width:].clone(), storage)
-    _check_objects(fail, entries, table.fqns, table.properties, table.sizes, names, True, common)
-    _check_columns(fail, table, partial=True)
+    if not all(names):  # (the entries were checked with the shared objects)
+        raise fail("a data file name is empty")
+    if "entry_bounds" not in common:  # once per shared objects, not per section
+        common["entry_bounds"] = _entry_bounds(table.sizes, width)
+    _check_columns(fail, table, partial=True, entry_bounds=common["entry_bounds"])
     return table, ordinal
 
 
