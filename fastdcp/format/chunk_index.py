@@ -22,6 +22,25 @@ Layout (all integers little-endian):
   :mod:`fastdcp.format.metadata`;
 * a 8-byte trailer: ``FDCE`` and the CRC-32C of every byte before it.
 
+Format version 2 (a save planned in bulk on several ranks: ``ChunkTable.rank_rows``) keeps all of
+the above byte for byte and adds, so that a rank of a 16,384-rank job reads ~100 KB instead of the
+whole index (:func:`read_rank_section`):
+
+* in the header, after version 1's fields: the ``.metadata`` edge length the facts cover (4 KiB:
+  a rank reads 8 KiB of ``.metadata``, not 128), the CRC-32C, offset and length of the shared
+  objects, the directory's offset, the number of sections, the file's size, and the CRC-32C of
+  the header itself (a rank reads the header alone);
+* after the trailer, the shared objects: a zlib-compressed pickle of what a rank needs besides its
+  rows (fqns, properties, sizes, each entry's chunk count and extents, the entries with empty
+  chunks inside their tensor, ``planner_data``, ``storage_meta``, ``version``);
+* one section per rank: the rows that rank planned in the save (replicated items' rows included)
+  as int64 records with each row's position in its entry, then the numbers and names of the
+  files those rows are in;
+* the directory: per rank, its section's offset, length and CRC-32C.
+
+A version 1 reader refuses version 2 (and fastdcp falls back to ``.metadata``); this reader reads
+both, the whole table from either.
+
 :func:`read_chunk_index` treats the file as hostile: the declared sizes must add up to the file's
 size before anything is allocated, the CRC must match, and every column is checked (row_start
 monotonic from 0 to rows, one row per bytes entry, chunks inside their tensors, file indexes in
