@@ -412,13 +412,14 @@ def _entry_extents(table: ChunkTable) -> list[tuple[int, ...]]:
     """Per entry, the largest ``offset + length`` of its chunks in each dimension (what stock's
     sweep-dimension choice reads); ``()`` for bytes entries and entries without chunks."""
     extents: list[tuple[int, ...]] = []
-    ends = table.offsets + table.lengths
     starts = table.row_start.tolist()
     for e, size in enumerate(table.sizes):
         if size is None or starts[e + 1] == starts[e] or not len(size):
             extents.append(())
-        else:
-            extents.append(tuple(int(v) for v in ends[starts[e]:starts[e + 1], :len(size)].amax(0).tolist()))
+            continue
+        rows = slice(starts[e], starts[e + 1])
+        ends = table.offsets[rows, :len(size)] + table.lengths[rows, :len(size)]  # one entry's rows at a time
+        extents.append(tuple(int(v) for v in ends.amax(0).tolist()))
     return extents
 
 
@@ -430,14 +431,20 @@ def _inner_empty(table: ChunkTable) -> list[int]:
     if not table.rows:
         return []
     width = int(table.offsets.shape[1])
-    entry = table.entry_of_rows()
-    bounds = torch.zeros((len(table.fqns), width), dtype=torch.int64)
-    for e, size in enumerate(table.sizes):
-        if size is not None and len(size):
-            bounds[e, :len(size)] = torch.tensor(list(size), dtype=torch.int64)
-    limit = bounds.index_select(0, entry)
-    inner = (table.lengths == 0) & (table.offsets > 0) & (table.offsets < limit)
-    return sorted(set(entry[inner.any(1)].tolist()))
+    _, bounds = _entry_bounds(table.sizes, width)
+    found: set[int] = set()
+    starts = table.row_start
+    for a in range(0, table.rows, _CHECK_ROWS):  # a bounded number of rows at a time
+        b = min(table.rows, a + _CHECK_ROWS)
+        empty = (table.lengths[a:b] == 0).any(1)
+        if not bool(empty.any()):
+            continue
+        rows = empty.nonzero()[:, 0] + a
+        entry = torch.searchsorted(starts, rows, right=True) - 1
+        offsets, lengths = table.offsets.index_select(0, rows), table.lengths.index_select(0, rows)
+        inner = ((lengths == 0) & (offsets > 0) & (offsets < bounds.index_select(0, entry))).any(1)
+        found.update(entry[inner].tolist())
+    return sorted(found)
 
 
 # ---------------------------------------------------------------------------------------------
