@@ -66,61 +66,6 @@ def _load(path: str, mesh, placement, reader, planner) -> tuple[dict, object]:
     return target, reader
 
 
-def _worker(rank: int, store: str, root: str, phase: str) -> None:
-    import logging
-
-    from torch.distributed.tensor import Shard
-
-    from fastdcp.load.sectioned_metadata import SectionedTableMetadata, metadata_bytes_read
-
-    warnings: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                warnings.append(record.getMessage())
-
-    logging.getLogger("fastdcp").addHandler(Keep())
-    path = os.path.join(root, "ckpt")
-    report: dict = {"rank": rank}
-    with C.gloo_rank_mesh(rank, store, WORLD) as mesh:
-        if phase == "save":
-            dcp.save(_state(mesh, Shard(0)), storage_writer=FastFileSystemWriter(path), planner=FastSavePlanner())
-        elif phase == "loads":
-            before = metadata_bytes_read()
-            loaded, reader = _load(path, mesh, Shard(0), FastFileSystemReader(path), FastLoadPlanner())
-            _check(loaded, mesh, Shard(0))
-            md = reader._metadata_read
-            report["same_layout"] = {"sectioned": isinstance(md, SectionedTableMetadata),
-                                     "table_read": bool(getattr(md, "table_loaded", True)),
-                                     "bytes": metadata_bytes_read() - before}
-            loaded, reader = _load(path, mesh, Shard(1), FastFileSystemReader(path), FastLoadPlanner())
-            _check(loaded, mesh, Shard(1))
-            report["resharded_table_read"] = bool(reader._metadata_read.table_loaded)
-            report["resharded_bytes"] = metadata_bytes_read() - before - report["same_layout"]["bytes"]
-            for reader, planner in ((FileSystemReader(path), DefaultLoadPlanner()),
-                                    (FastFileSystemReader(path), DefaultLoadPlanner())):
-                loaded, _ = _load(path, mesh, Shard(0), reader, planner)
-                _check(loaded, mesh, Shard(0))
-        else:  # a damaged index: the same-layout load falls back and still loads bit-exactly
-            loaded, reader = _load(path, mesh, Shard(0), FastFileSystemReader(path), FastLoadPlanner())
-            _check(loaded, mesh, Shard(0))
-            report["table_read"] = bool(getattr(reader._metadata_read, "table_loaded", True))
-        report["warnings"] = warnings
-        with open(os.path.join(root, f"{phase}.{rank}.json"), "w") as f:  # (the process ends with the block)
-            json.dump(report, f)
-
-
-def _run(tmp_path, phase: str) -> list[dict]:
-    store = tmp_path / f"store-{phase}"
-    mp.start_processes(_worker, args=(str(store), str(tmp_path), phase), nprocs=WORLD, start_method="spawn")
-    reports = []
-    for rank in range(WORLD):
-        with open(tmp_path / f"{phase}.{rank}.json") as f:
-            reports.append(json.load(f))
-    return reports
-
-
 def _index_path(path) -> str:
     with open(os.path.join(path, ".metadata"), "rb") as f:
         name = CI.find_chunk_index_name(f.read(4096))
@@ -147,49 +92,100 @@ def _flip(path: str, at: int) -> None:
         f.write(bytes([byte[0] ^ 0x40]))
 
 
+def _damage(path: str, how: str) -> None:
+    """On rank 0, between two loads: the index damaged in one place, or removed."""
+    index_path = _index_path(path)
+    if how == "section":
+        offset, length = _section_span(index_path, 1)
+        _flip(index_path, offset + length // 2)
+    elif how == "table":
+        _flip(index_path, CI._HEADER_SIZE + 3)
+    else:
+        os.remove(index_path)
+
+
+def _worker(rank: int, store: str, root: str) -> None:
+    """Save, then the loads, then loads after each damage (rank 0 damages between barriers)."""
+    import logging
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    from fastdcp.load.metadata_cache import clear_metadata_cache
+    from fastdcp.load.sectioned_metadata import SectionedTableMetadata, metadata_bytes_read
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("fastdcp").addHandler(Keep())
+    path = os.path.join(root, "ckpt")
+    report: dict = {"rank": rank}
+    with C.gloo_rank_mesh(rank, store, WORLD) as mesh:
+        dcp.save(_state(mesh, Shard(0)), storage_writer=FastFileSystemWriter(path), planner=FastSavePlanner())
+        dist.barrier()
+        report["index_size"] = os.path.getsize(_index_path(path))
+        before = metadata_bytes_read()
+        loaded, reader = _load(path, mesh, Shard(0), FastFileSystemReader(path), FastLoadPlanner())
+        _check(loaded, mesh, Shard(0))
+        md = reader._metadata_read
+        report["same_layout"] = {"sectioned": isinstance(md, SectionedTableMetadata),
+                                 "table_read": bool(getattr(md, "table_loaded", True)),
+                                 "bytes": metadata_bytes_read() - before}
+        loaded, reader = _load(path, mesh, Shard(1), FastFileSystemReader(path), FastLoadPlanner())
+        _check(loaded, mesh, Shard(1))
+        report["resharded_table_read"] = bool(reader._metadata_read.table_loaded)
+        for reader, planner in ((FileSystemReader(path), DefaultLoadPlanner()),
+                                (FastFileSystemReader(path), DefaultLoadPlanner())):
+            loaded, _ = _load(path, mesh, Shard(0), reader, planner)
+            _check(loaded, mesh, Shard(0))
+        report["warnings"] = list(warnings)
+        for how in ("section", "table", "missing"):
+            dist.barrier()
+            if rank == 0:
+                _damage(path, how)
+            dist.barrier()
+            clear_metadata_cache()  # (the cache knows .metadata, which is unchanged)
+            warnings.clear()
+            loaded, reader = _load(path, mesh, Shard(0), FastFileSystemReader(path), FastLoadPlanner())
+            _check(loaded, mesh, Shard(0))
+            report[how] = {"table_read": bool(getattr(reader._metadata_read, "table_loaded", True)),
+                           "warnings": list(warnings)}
+        with open(os.path.join(root, f"report.{rank}.json"), "w") as f:  # (the process ends with the block)
+            json.dump(report, f)
+
+
 @pytest.mark.fastdcp_timeout(300)
 def test_rank_sections_on_real_ranks(tmp_path):
-    _run(tmp_path, "save")
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    reports = []
+    for rank in range(WORLD):
+        with open(tmp_path / f"report.{rank}.json") as f:
+            reports.append(json.load(f))
     path = tmp_path / "ckpt"
-    index_path = _index_path(path)
-    fd = os.open(index_path, os.O_RDONLY)
-    try:
-        header = CI.read_index_header(fd, "test")
-    finally:
-        os.close(fd)
-    assert header.version == 2 and header.v2.sections == WORLD
-
-    reports = _run(tmp_path, "loads")
-    index_size = os.path.getsize(index_path)
     md_size = os.path.getsize(path / ".metadata")
     md_read = min(md_size, 4096) + min(md_size, 2 * CI.SECTION_EDGE_BYTES)  # its head, then its edges' CRCs
     for r in reports:
         same = r["same_layout"]
         assert same["sectioned"] and not same["table_read"], r  # planned from its own section
-        # of the index: the header, shared objects and one section, less than the whole index
-        # (which every rank read before)
-        assert 0 < same["bytes"] - md_read < index_size, (same, md_read, index_size)
+        # of the index: the header, shared objects and one section (every rank read the whole
+        # index before)
+        assert 0 < same["bytes"] - md_read < r["index_size"], (same, md_read, r["index_size"])
         # Shard(0) -> Shard(1): each rank needs a piece of every save rank's chunk; found by
         # searching the other sections (here all four), not by reading the whole table
         assert not r["resharded_table_read"], r
         assert not r["warnings"], r
-
-    # A damaged section: that rank warns, reads the whole table, loads bit-exactly.
-    offset, length = _section_span(index_path, 1)
-    _flip(index_path, offset + length // 2)
-    reports = _run(tmp_path, "damaged-section")
-    assert reports[1]["table_read"] and any("damaged section" in w for w in reports[1]["warnings"]), reports[1]
-    assert not reports[0]["table_read"] and not reports[0]["warnings"], reports[0]
-
-    # A damaged table as well: the whole index is refused, .metadata is parsed.
-    _flip(index_path, CI._HEADER_SIZE + 3)
-    reports = _run(tmp_path, "damaged-table")
-    assert any("damaged chunk index" in w for w in reports[1]["warnings"]), reports[1]
-
-    # No index at all: every rank parses .metadata (quietly: stock-like checkpoints have none).
-    os.remove(index_path)
-    reports = _run(tmp_path, "missing-index")
-    assert all(r["table_read"] for r in reports)
+    # A damaged section: rank 1 warns, reads the whole table, loads bit-exactly; others unaffected.
+    assert reports[1]["section"]["table_read"], reports[1]
+    assert any("damaged section" in w for w in reports[1]["section"]["warnings"]), reports[1]
+    assert not reports[0]["section"]["table_read"] and not reports[0]["section"]["warnings"], reports[0]
+    # A damaged table as well: rank 1's whole-index read is refused, .metadata is parsed.
+    assert any("damaged chunk index" in w for w in reports[1]["table"]["warnings"]), reports[1]
+    # No index at all: every rank parses .metadata, quietly (stock-written checkpoints have none).
+    assert all(r["missing"]["table_read"] and not r["missing"]["warnings"] for r in reports), reports
 
 
 # --------------------------------------------------------------------------- #
