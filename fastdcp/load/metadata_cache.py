@@ -239,7 +239,8 @@ def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
                 except OSError as e:
                     logger.warning("could not read %s (%s), reading the whole index", where, e)
                 else:
-                    source = IndexSource(directory, file, index_path, header, shared, allow_unsafe)
+                    source = IndexSource(directory, file, index_path, header, shared, allow_unsafe,
+                                         index_fd=os.dup(g.fileno()), metadata_fd=os.dup(f.fileno()))
                     return SectionedTableMetadata(source, shared["planner_data"], shared["storage_meta"],
                                                   shared["version"])
             try:

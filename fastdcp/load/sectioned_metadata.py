@@ -35,9 +35,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..format.chunk_index import IndexHeader, RankSection, read_chunk_index, read_rank_section
 from ..format.chunk_table import table_from_metadata
-from ..format.metadata import CheckpointFormatError
+from ..format.metadata import CheckpointFormatError, parse_metadata
 from ..format.table_metadata import _SD, _SDM, _TABLE, _UNBUILT, TableEntries, TableMetadata, TableStorageData
-from ..io.checkpoint_files import load_metadata
 from ..io.gc import gc_paused
 
 __all__ = ["IndexSource", "SectionedTableMetadata", "SectionStorageData", "metadata_bytes_read"]
@@ -69,10 +68,15 @@ def metadata_bytes_read() -> int:
 class IndexSource:
     """The chunk index of one ``.metadata``, whose header was read and matched (size and edge
     CRC-32C) when this was made: one rank's section or the whole table, each read on demand
-    and kept."""
+    and kept.
+
+    Both files stay open from then on (``index_fd``, ``metadata_fd``, owned and closed with this
+    object): a save that replaces the checkpoint meanwhile (renaming a new ``.metadata`` over it,
+    deleting the old index) cannot make a later read see another save than the one this load
+    started with."""
 
     def __init__(self, directory: str, metadata_file: str, index_path: str, header: IndexHeader,
-                 shared: dict[str, Any], allow_unsafe: bool) -> None:
+                 shared: dict[str, Any], allow_unsafe: bool, *, index_fd: int, metadata_fd: int) -> None:
         self.shared = shared  # read_shared_objects of the index
         self.directory = directory
         self.metadata_file = metadata_file
@@ -80,9 +84,20 @@ class IndexSource:
         self.header = header
         self.allow_unsafe = allow_unsafe
         self.where = f"checkpoint chunk index '{index_path}'"
+        self._index_fd = index_fd
+        self._metadata_fd = metadata_fd
         self._lock = threading.Lock()
         self._sections: OrderedDict[int, RankSection | None] = OrderedDict()
         self._full: TableMetadata | None = None
+
+    def __del__(self) -> None:
+        for name in ("_index_fd", "_metadata_fd"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def section(self, rank: int) -> RankSection | None:
         """Rank ``rank``'s section, or None when the index has none for it or it cannot be used
@@ -93,13 +108,9 @@ class IndexSource:
                 return self._sections[rank]
             section = None
             try:
-                fd = os.open(self.index_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                try:
-                    with gc_paused():
-                        section = read_rank_section(fd, self.header, rank, self.where, allow_unsafe=self.allow_unsafe,
-                                                    shared=self.shared)
-                finally:
-                    os.close(fd)
+                with gc_paused():
+                    section = read_rank_section(self._index_fd, self.header, rank, self.where,
+                                                allow_unsafe=self.allow_unsafe, shared=self.shared)
             except CheckpointFormatError as e:
                 logger.warning("ignoring a damaged section of a chunk index, reading the whole index: %s", e)
             except OSError as e:
@@ -123,20 +134,35 @@ class IndexSource:
     def _read_full(self) -> TableMetadata:
         h = self.header
         try:
-            with open(self.index_path, "rb") as f, gc_paused():
+            with os.fdopen(os.dup(self._index_fd), "rb") as f, gc_paused():
+                f.seek(0)
                 index = read_chunk_index(f, self.where, allow_unsafe=self.allow_unsafe)
                 count_metadata_read(f.tell())
             facts = (index.metadata_size, index.metadata_head_crc, index.metadata_tail_crc)
             if facts != (h.metadata_size, h.metadata_head_crc, h.metadata_tail_crc):
-                raise CheckpointFormatError(f"{self.where}: changed since its header was read")
+                raise CheckpointFormatError(f"{self.where}: its table was written for another .metadata")
             return TableMetadata(index.table, index.planner_data, index.storage_meta, index.version)
         except (CheckpointFormatError, OSError) as e:
             logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
         with gc_paused():
-            parsed = load_metadata(self.metadata_file, allow_unsafe=self.allow_unsafe)
-            count_metadata_read(os.path.getsize(self.metadata_file))
+            data = _read_all(self._metadata_fd)
+            count_metadata_read(len(data))
+            parsed = parse_metadata(data, f"checkpoint metadata '{self.metadata_file}'",
+                                    allow_unsafe=self.allow_unsafe)
             table = table_from_metadata(parsed)
         return TableMetadata(table, parsed.planner_data, parsed.storage_meta, parsed.version)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    parts, at = [], 0
+    while at < size:
+        chunk = os.pread(fd, min(size - at, 64 << 20), at)
+        if not chunk:
+            break
+        parts.append(chunk)
+        at += len(chunk)
+    return b"".join(parts)
 
 
 _SOURCE = "_sectioned_source"
