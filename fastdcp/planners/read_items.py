@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -339,18 +340,53 @@ def _sections_holding(box: tuple[int, Any, Any], current: RankSection, section_o
             return None
         return min(_linear(row, strides) for row in t.offsets[lo:hi, :len(size)].tolist())
 
-    # The last rank whose first chunk of the entry starts at or before `first`.
-    lo, hi = 0, sections - 1
-    probe = min(sections - 1, first * sections // max(numel, 1))
+    # The last rank whose first chunk of the entry starts at or before `first`: a galloping
+    # search from a guess, then bisection. The guess: with an even split (FSDP's Shard), rank k's
+    # chunk starts at k times a chunk's elements, and the sections at hand show a chunk's size.
+    t = current.table
+    lo_row, hi_row = int(t.row_start[entry]), int(t.row_start[entry + 1])
+    volumes = [math.prod(row[:len(size)]) for row in t.lengths[lo_row:hi_row].tolist()]
+    chunk = max(volumes, default=0)
+    guess = first // chunk if chunk else first * sections // max(numel, 1)
+    guess = max(0, min(sections - 1, guess))
+
+    def at_or_before(rank: int) -> bool | None:
+        at = start_of(rank)
+        return None if at is None else at <= first
+
+    probe = at_or_before(guess)
+    if probe is None:
+        return []
+    if probe:
+        lo, hi, step = guess, sections - 1, 1
+        while lo + step <= hi:
+            ahead = at_or_before(lo + step)
+            if ahead is None:
+                return []
+            if not ahead:
+                hi = lo + step - 1
+                break
+            lo, step = lo + step, step * 2
+    else:
+        hi, step = guess - 1, 1
+        lo = 0
+        while hi - step + 1 > 0:
+            behind = at_or_before(hi - step + 1)
+            if behind is None:
+                return []
+            if behind:
+                lo = hi - step + 1
+                break
+            hi, step = hi - step, step * 2
     while lo < hi:
-        at = start_of(probe)
-        if at is None:
+        mid = (lo + hi + 1) // 2
+        ahead = at_or_before(mid)
+        if ahead is None:
             return []
-        if at <= first:
-            lo = probe
+        if ahead:
+            lo = mid
         else:
-            hi = probe - 1
-        probe = (lo + hi + 1) // 2
+            hi = mid - 1
     found = [lo]
     k = lo + 1
     while k < sections and len(found) < limit:
