@@ -57,6 +57,7 @@ if _C is not None:  # noqa: E402 - the public API, once the extension is there
     from .format.metadata import CheckpointFormatError, CheckpointNotFoundError, add_safe_metadata_globals  # noqa: E402
     from .load.lazy import ChunkInfo, LazyCheckpoint, ObjectInfo, TensorInfo, TensorSlice  # noqa: E402
     from .objstore.lazy import open_any as open  # noqa: A001,E402 - fastdcp.open(path or s3:// URL), like safe_open
+    from .load.deadline import LoadDeadlineError  # noqa: E402
     from .load.reader import ConcurrentOverwriteError, FastFileSystemReader  # noqa: E402
     from .planners import FastLoadPlanner, FastSavePlanner  # noqa: E402
     from .save.async_staging import StagingFuture, StagingReport, wait_for_staging  # noqa: E402
@@ -96,6 +97,7 @@ __all__ = [
     "ChecksumError",
     "ConcurrentSaveError",
     "ConcurrentOverwriteError",
+    "LoadDeadlineError",
     "add_safe_metadata_globals",
     "set_staging_pool_limit",
     "release_staging",

@@ -33,6 +33,12 @@ release of the CI matrix, see README "Supported torch releases"):
   :func:`tensor_properties_key`, which reads every field this release's class has.
 * Up to 2.9 stock plans a tensor's read items pair by pair in chunk order; since 2.11 by a sweep
   (fastdcp's order). The items are the same; tests compare them as a multiset on 2.9.
+* Not a name but a behaviour: DCP ships a rank's failure to the coordinator by pickling it inside
+  its next object collective (``_DistWrapper.reduce_scatter`` / ``all_gather``), which pickles
+  before it communicates. :class:`fastdcp.load.deadline.LoadDeadlineError` refuses its first
+  pickling so that it leaves ``dcp.load`` at once instead of waiting in that collective for the
+  stalled rank; ``tests/load/test_load_deadline.py`` checks it on real gloo ranks. A release that
+  shipped failures otherwise would only make the error arrive later (with the stalled rank).
 """
 
 from __future__ import annotations
@@ -138,6 +144,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("torch.cuda._pin_memory_utils", None, "io/host_memory",
              "page-locking a shared slab in place under CUDA (absent: slabs are not pinned in place)",
              required=False),
+    # -- loading ------------------------------------------------------------------------------
+    Internal("torch.distributed.distributed_c10d", "_get_default_store", "load/deadline",
+             "the default process group's c10d store, where a load's ranks check in against its deadline "
+             "(absent: loads run without check-ins, as before)", required=False),
     # -- the tensor blob (torch.save's format) ------------------------------------------------
     Internal("torch._utils", "_rebuild_tensor_v2", "format/blob, format/blob_parse",
              "the function a torch.save pickle calls to rebuild a tensor (named in every blob)"),

@@ -63,6 +63,8 @@ from ..io.checkpoint_files import (
 from ..io.engine import IoOptions, env_flag, get_engine
 from ..io.gc import gc_paused
 from ..io.read_mode import ReadMode, read_mode_for, record_read
+from .deadline import DEADLINE_FROM_ENV, END, START, LoadCheckIns, begin_load, reading_files_status, \
+    resolve_load_deadline, stall_point
 from .header_pass import KnownBlobs, Window, parse_blob, read_windows, window_bytes
 from .metadata_cache import metadata_cache
 from .sectioned_metadata import SectionedTableMetadata, SectionStorageData
@@ -131,6 +133,18 @@ class FastFileSystemReader(FileSystemReader):
             By default only stock DCP metadata classes are built and a file naming anything
             else is refused (plain pickle runs whatever code the file names); set True only
             for a trusted checkpoint whose metadata holds custom classes.
+        load_deadline_s: the most seconds a load's rank waits for the other ranks (default:
+            environment ``FASTDCP_LOAD_DEADLINE_S``, else none; None or 0: no deadline; 1800 is
+            torch's usual process-group timeout). Off by default: a reader cannot tell a load on
+            some of the ranks from one on all of them. In a multi-rank job every rank checks in through the
+            default process group's store after reading ``.metadata`` and after its reads
+            (:mod:`fastdcp.load.deadline`); a rank that waits longer fails, and with it every rank
+            still running, with :class:`~fastdcp.load.deadline.LoadDeadlineError` naming the
+            ranks it waited for and what each was last doing (``rank 1 was reading data file
+            '__1_0.distcp' of /ckpt``). It waits for every rank of the default process group: a
+            load on only some of the ranks (``dcp.load(process_group=...)`` over a subset, or
+            ``no_dist=True``), or a ``read_metadata()`` of one's own on some ranks, needs
+            ``load_deadline_s=None``.
     """
 
     def __init__(
@@ -144,6 +158,7 @@ class FastFileSystemReader(FileSystemReader):
         memory_budget_bytes: int | None = None,
         allow_unsafe_metadata: bool = False,
         verify_checksums: bool | None = None,
+        load_deadline_s: float | None = DEADLINE_FROM_ENV,
     ) -> None:
         if _extension_registry is not None and "_extension_registry" not in _STOCK_INIT_PARAMS:
             raise TypeError("this torch's FileSystemReader does not support _extension_registry")
@@ -176,8 +191,22 @@ class FastFileSystemReader(FileSystemReader):
         self._metadata_read: Metadata | None = None
         # The error of the last read_metadata() without rank=, until the next read (see there).
         self._failed_global_read: Exception | None = None
+        self.load_deadline_s = resolve_load_deadline(load_deadline_s)
+        # The check-ins of the load whose .metadata was read last, until its read_data.
+        self._check_ins: LoadCheckIns | None = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """This rank's reads. With the load's check-ins (see :meth:`read_metadata`), its status
+        names the files it reads, and after its reads (also failed ones) it waits for every rank."""
+        check_ins, self._check_ins = self._check_ins, None
+        if check_ins is None:
+            return self._read_data(plan, planner, None)
+        try:
+            return self._read_data(plan, planner, check_ins)
+        finally:
+            check_ins.check_in(END)  # every rank finished reading (raises past the deadline)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner, check_ins: LoadCheckIns | None) -> Future[None]:
         self.last_read_mode = None  # set by the native reads, if this load has any
         stock_items: list[ReadItem] = []
         per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]] = defaultdict(list)
@@ -189,6 +218,10 @@ class FastFileSystemReader(FileSystemReader):
                     stock_items.append(item)
                 else:
                     per_file[info.relative_path].append((item, info))
+        if check_ins is not None:
+            stock_files = {storage_data[item.storage_index].relative_path for item in stock_items}
+            check_ins.status(reading_files_status(str(self.path), [*per_file, *stock_files]))
+        stall_point("read_data")
         if stock_items:
             super().read_data(LoadPlan(stock_items), planner).wait()
         try:
@@ -255,10 +288,22 @@ class FastFileSystemReader(FileSystemReader):
         raises the global read's error inside a :class:`CheckpointException` (DCP's own error for a
         failed load, a ``BaseException`` that stock's fallback does not catch): on every release
         the load fails with the error naming the file. A rank-local file that exists is read, as
-        stock reads it."""
+        stock reads it.
+
+        The global read starts a load's check-ins (``load_deadline_s``): this rank's status is
+        published, and after the read (also a failed one) it waits for every rank."""
         rank = kwargs.get("rank")
+        check_ins = None
+        if rank is None:
+            self._check_ins = None
+            check_ins = begin_load(self.load_deadline_s, str(self.path), f"reading .metadata of {self.path}")
+            stall_point("read_metadata")
         try:
-            metadata = self._read_metadata(rank)
+            try:
+                metadata = self._read_metadata(rank)
+            finally:
+                if check_ins is not None:
+                    check_ins.check_in(START)  # every rank reached the load (raises past the deadline)
         except Exception as error:
             failed_global_read, self._failed_global_read = self._failed_global_read, None
             if rank is None:
@@ -267,6 +312,8 @@ class FastFileSystemReader(FileSystemReader):
                 raise _unreadable(failed_global_read, rank) from error
             raise
         self._failed_global_read = None
+        if check_ins is not None:
+            self._check_ins = check_ins  # read_data checks in at the end of this load's reads
         return metadata
 
     def _read_metadata(self, rank: int | None) -> Metadata:

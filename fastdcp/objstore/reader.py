@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ..format.metadata import METADATA_NAME
 from ..io.engine import get_engine
+from ..load.deadline import DEADLINE_FROM_ENV
 from ..load.reader import FastFileSystemReader
 from .client import S3Options
 from .commit import read_checkpoint_metadata
@@ -31,7 +32,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
 
     ``s3_options``: :class:`~fastdcp.objstore.client.S3Options` (endpoint, credentials, retries,
     request size, requests in flight); unset, the usual ``AWS_*`` environment.
-    ``memory_budget_bytes``, ``allow_unsafe_metadata``, ``verify_checksums``: as
+    ``memory_budget_bytes``, ``allow_unsafe_metadata``, ``verify_checksums``, ``load_deadline_s``: as
     :class:`fastdcp.FastFileSystemReader`. ``last_stats`` counts the GET requests and bytes
     fetched by the last load (``object_requests``, ``object_bytes``)."""
 
@@ -44,6 +45,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
         memory_budget_bytes: int | None = None,
         allow_unsafe_metadata: bool = False,
         verify_checksums: bool | None = None,
+        load_deadline_s: float | None = DEADLINE_FROM_ENV,
     ) -> None:
         self.location = ObjectLocation.parse(path)
         super().__init__(
@@ -53,6 +55,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
             memory_budget_bytes=memory_budget_bytes,
             allow_unsafe_metadata=allow_unsafe_metadata,
             verify_checksums=verify_checksums,
+            load_deadline_s=load_deadline_s,
         )
         self._settle(self.location, s3_options)
         self._engine: ObjectReadEngine | None = None

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ..format.metadata import METADATA_NAME
+from ..load.deadline import DEADLINE_FROM_ENV, END, START, LoadCheckIns, begin_load, resolve_load_deadline, stall_point
 from ..load.reader import FastFileSystemReader
 from ..objstore.client import S3Options
 from ..objstore.location import is_object_url
@@ -30,13 +31,19 @@ class FastTieredReader(StorageReader):
     (the checkpoint's shared location, as given to :class:`fastdcp.FastTieredWriter`), with the same
     ``local_root``. ``s3_options`` for an ``s3://`` shared tier; every other keyword is
     :class:`fastdcp.FastFileSystemReader`'s. Attributes the chosen reader has (``last_stats``,
-    ``last_read_mode``) are read through."""
+    ``last_read_mode``) are read through.
+
+    ``load_deadline_s`` guards the load as a whole (:mod:`fastdcp.load.deadline`), named by the
+    shared location: ranks that chose different tiers check in together, and a rank that tried
+    its local copy first checks in once."""
 
     def __init__(self, path: str | os.PathLike, *, local_root: str | os.PathLike | None = None,
                  s3_options: S3Options | None = None, **reader_kwargs: Any) -> None:
         self.local_root = local_tier.local_root_from(local_root)
         self.s3_options = s3_options
-        self._reader_kwargs = reader_kwargs
+        self.load_deadline_s = resolve_load_deadline(reader_kwargs.pop("load_deadline_s", DEADLINE_FROM_ENV))
+        self._check_ins: LoadCheckIns | None = None
+        self._reader_kwargs = {**reader_kwargs, "load_deadline_s": None}  # the tiered reader checks in itself
         self._point_at(path)
 
     def _point_at(self, path: str | os.PathLike) -> None:
@@ -77,6 +84,21 @@ class FastTieredReader(StorageReader):
         self._inner, self.tier = None, None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        check_ins = None
+        if kwargs.get("rank") is None:
+            self._check_ins = None
+            check_ins = begin_load(self.load_deadline_s, self.shared_path,
+                                   f"reading .metadata of {self.shared_path} (or of its local copy {self.local_path})")
+            stall_point("read_metadata")
+        try:
+            metadata = self._read_metadata(*args, **kwargs)
+        finally:
+            if check_ins is not None:
+                check_ins.check_in(START)  # raises DCP's CheckpointException past the deadline
+        self._check_ins = check_ins
+        return metadata
+
+    def _read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = f"__{rank}{METADATA_NAME}" if rank is not None else METADATA_NAME
         if os.path.isfile(os.path.join(self.local_path, name)):
@@ -106,7 +128,16 @@ class FastTieredReader(StorageReader):
         return self._chosen().prepare_global_plan(plans)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        return self._chosen().read_data(plan, planner)
+        check_ins, self._check_ins = self._check_ins, None
+        if check_ins is None:
+            return self._chosen().read_data(plan, planner)
+        try:
+            inner = self._chosen()
+            check_ins.status(f"reading its data from the {self.tier} tier, {getattr(inner, 'path', self.shared_path)}")
+            stall_point("read_data")
+            return inner.read_data(plan, planner)
+        finally:
+            check_ins.check_in(END)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
