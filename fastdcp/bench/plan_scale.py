@@ -635,7 +635,7 @@ class PlanScaleSimulation:
         reads = self.info.setdefault(f"{phase}_metadata_reads", {})
         reads[str(r)] = {"read_bytes": metadata_bytes_read() - before, "peak_bytes": record.peak_bytes,
                          "seconds": record.seconds, "from_section": not getattr(metadata, "table_loaded", True)}
-        del reader, planner, metadata
+        del metadata  # (the reader and planner go with this call)
         _clear_metadata_cache()
         return plan
 

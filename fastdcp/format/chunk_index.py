@@ -581,13 +581,7 @@ def read_chunk_index(data: Any, where: str, *, allow_unsafe: bool = False) -> Ch
         raise fail(f"checksum mismatch (recorded {crc:#010x}, computed {crc_before_trailer:#010x}): the file is "
                    f"damaged or truncated")
 
-    if allow_unsafe:
-        try:
-            objects = pickle.loads(objects_bytes)
-        except Exception as e:
-            raise fail(f"unreadable objects section ({type(e).__name__}: {str(e)[:200]})") from e
-    else:
-        objects = unpickle_restricted(objects_bytes, where)
+    objects = _unpickle_objects(objects_bytes, "objects section", fail, where, allow_unsafe)
     if type(objects) is not dict or set(objects) != set(_OBJECT_KEYS):
         raise fail("the objects section is not the expected dict")
     fqns, properties, table_sizes, files = (objects[k] for k in ("fqns", "properties", "sizes", "files"))
@@ -617,6 +611,22 @@ def read_chunk_index(data: Any, where: str, *, allow_unsafe: bool = False) -> Ch
         metadata_tail_crc=tail_crc,
         edge_bytes=SECTION_EDGE_BYTES if version == _SECTIONS_VERSION else EDGE_BYTES,
     )
+
+
+def _unpickle_objects(data: bytes, what: str, fail: Any, where: str, allow_unsafe: bool) -> Any:
+    """The index's pickled objects: restricted unpickling (errors name ``where``), or plain
+    :mod:`pickle` when ``allow_unsafe`` (errors through ``fail``)."""
+    if not allow_unsafe:
+        try:
+            return unpickle_restricted(data, where)
+        except CheckpointFormatError as e:
+            if where == what:  # (a section's shared objects: the message gets the index's name)
+                raise fail(str(e)) from None
+            raise
+    try:
+        return pickle.loads(data)
+    except Exception as e:
+        raise fail(f"unreadable {what} ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def _check_objects(fail: Any, entries: int, fqns: Any, properties: Any, sizes: Any, files: Any, has_storage: bool,
@@ -926,16 +936,7 @@ def _common_objects(packed: bytes, header: IndexHeader, fail: Any, allow_unsafe:
     if not inflate.eof or inflate.unconsumed_tail:
         raise fail("the shared objects are truncated or decompress implausibly large")
     where_fail = fail
-    if allow_unsafe:
-        try:
-            common = pickle.loads(data)
-        except Exception as e:
-            raise fail(f"unreadable shared objects ({type(e).__name__}: {str(e)[:200]})") from e
-    else:
-        try:
-            common = unpickle_restricted(data, "shared objects")
-        except CheckpointFormatError as e:
-            raise fail(str(e)) from None
+    common = _unpickle_objects(data, "shared objects", fail, "shared objects", allow_unsafe)
     if type(common) is not dict or set(common) != set(_COMMON_KEYS):
         raise fail("the shared objects are not the expected dict")
     entries = header.entries

@@ -110,6 +110,14 @@ class MetadataCache:
             self._entries.clear()
 
 
+def _unusable(where: str, error: Exception, instead: str) -> None:
+    """Log why the chunk index ``where`` is not used, and what is read ``instead``."""
+    if isinstance(error, CheckpointFormatError):
+        logger.warning("ignoring a damaged chunk index, %s: %s", instead, error)
+    else:
+        logger.warning("could not read %s (%s), %s", where, error, instead)
+
+
 def _file_size(path: str | os.PathLike, rank: int | None) -> int:
     path = os.fspath(path)
     try:
@@ -214,11 +222,8 @@ def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
             try:
                 header = read_index_header(g.fileno(), where)
                 count_metadata_read(_INDEX_HEADER_BYTES)
-            except CheckpointFormatError as e:
-                logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
-                return None
-            except OSError as e:
-                logger.warning("could not read %s (%s), reading the metadata itself", where, e)
+            except (CheckpointFormatError, OSError) as e:
+                _unusable(where, e, "reading the metadata itself")
                 return None
             size, head_crc, tail_crc = metadata_facts(f, header.edge_bytes)
             count_metadata_read(min(size, 2 * header.edge_bytes))
@@ -234,10 +239,8 @@ def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
                     with gc_paused():
                         shared = read_shared_objects(g.fileno(), header, where, allow_unsafe=allow_unsafe)
                     count_metadata_read(shared["bytes_read"] - _INDEX_HEADER_BYTES)
-                except CheckpointFormatError as e:
-                    logger.warning("ignoring the sections of a damaged chunk index, reading the whole index: %s", e)
-                except OSError as e:
-                    logger.warning("could not read %s (%s), reading the whole index", where, e)
+                except (CheckpointFormatError, OSError) as e:
+                    _unusable(where, e, "reading the whole index")
                 else:
                     source = IndexSource(directory, file, index_path, header, shared, allow_unsafe,
                                          index_fd=os.dup(g.fileno()), metadata_fd=os.dup(f.fileno()))
@@ -251,11 +254,8 @@ def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
                 with gc_paused():
                     index = read_chunk_index(g, where, allow_unsafe=allow_unsafe)
                 count_metadata_read(g.tell())
-            except CheckpointFormatError as e:
-                logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
-                return None
-            except OSError as e:
-                logger.warning("could not read %s (%s), reading the metadata itself", where, e)
+            except (CheckpointFormatError, OSError) as e:
+                _unusable(where, e, "reading the metadata itself")
                 return None
     if (index.metadata_size, index.metadata_head_crc, index.metadata_tail_crc) != (size, head_crc, tail_crc):
         logger.warning("ignoring %s: it changed while it was read; reading the metadata itself", where)

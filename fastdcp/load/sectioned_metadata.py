@@ -269,17 +269,7 @@ class SectionedTableMetadata(TableMetadata):
     def __deepcopy__(self, memo: dict) -> TableMetadata:
         return TableMetadata.__deepcopy__(_loaded(self), memo)
 
-    def copy_containers(self) -> TableMetadata:
-        new = self._copy()
-        d = new.__dict__
-        if isinstance(d[_SDM], dict):
-            d[_SDM] = dict(d[_SDM])
-        sd = d[_SD]
-        if isinstance(sd, TableStorageData):
-            d[_SD] = sd.copy()
-        elif isinstance(sd, dict):
-            d[_SD] = dict(sd)
-        return new
+    # copy_containers: TableMetadata's, over __copy__ above (a section view of its own).
 
     def __repr__(self) -> str:
         if self.table_loaded:

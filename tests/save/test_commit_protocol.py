@@ -300,8 +300,8 @@ def test_a_file_gone_before_it_was_opened_means_reading_the_metadata_again(tmp_p
     real_load = fast_reader.metadata_cache.load
     calls = []
 
-    def load_then_overwrite(path, rank, allow_unsafe):
-        metadata = real_load(path, rank, allow_unsafe)
+    def load_then_overwrite(path, rank, allow_unsafe, **kwargs):
+        metadata = real_load(path, rank, allow_unsafe, **kwargs)
         calls.append(path)
         if len(calls) == 1:
             _save(tmp_path, _state(2))
