@@ -94,7 +94,7 @@ class FastTieredReader(StorageReader):
             metadata = self._read_metadata(*args, **kwargs)
         finally:
             if check_ins is not None:
-                check_ins.check_in(START)  # raises DCP's CheckpointException past the deadline
+                check_ins.check_in(START)  # raises LoadDeadlineError past the deadline
         self._check_ins = check_ins
         return metadata
 
