@@ -9,6 +9,7 @@ because ``torchrun script.py`` puts the script's folder first on ``sys.path``).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -54,7 +55,8 @@ class AppState(Stateful):
 @contextmanager
 def process_group() -> Iterator[str]:
     """The process group torchrun describes, destroyed on leaving the block; yields the device the
-    model runs on (a GPU per rank when the node has enough, with NCCL beside gloo; else the CPU)."""
+    model runs on (a GPU per rank when the node has enough, with NCCL beside gloo; else the CPU).
+    When the block succeeds the process ends with it (see below): it must be a script's last step."""
     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("cpu:gloo,cuda:nccl")
@@ -64,8 +66,17 @@ def process_group() -> Iterator[str]:
         device = "cpu"
     try:
         yield device
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    # Everything is done and checked: end the process here rather than through interpreter
+    # finalization, where gloo's worker threads, kept alive by a DTensor's device mesh, can drop
+    # their last reference to a Python tensor and abort the exit ("terminate called without an
+    # active exception", pytorch/pytorch#190489; seen once in several runs of these examples).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def sharded_model(device: str, seed: int, width: int = 16, lr: float = 0.1) -> tuple[nn.Module, torch.optim.Optimizer]:
