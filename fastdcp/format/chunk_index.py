@@ -81,6 +81,7 @@ __all__ = [
     "read_index_header",
     "read_rank_section",
     "read_shared_objects",
+    "pread_exactly",
     "write_chunk_index",
     "read_chunk_index",
     "find_chunk_index_name",
@@ -795,14 +796,16 @@ class RankSection:
     bytes_read: int
 
 
-def _pread(fd: int, offset: int, length: int, fail: Any) -> bytes:
+def pread_exactly(fd: int, offset: int, length: int, fail: Any) -> bytearray:
+    """``length`` bytes of ``fd`` from ``offset`` (``pread``: the file position is not used), in a
+    writable buffer; ``fail(problem)`` makes the error raised when the file ends first."""
     data = bytearray()
     while len(data) < length:
-        chunk = os.pread(fd, length - len(data), offset + len(data))
+        chunk = os.pread(fd, min(length - len(data), 64 << 20), offset + len(data))
         if not chunk:
             raise fail(f"truncated: needs bytes up to {offset + length}, the file ended at {offset + len(data)}")
         data += chunk
-    return bytes(data)
+    return data
 
 
 def read_index_header(fd: int, where: str) -> IndexHeader:
@@ -810,7 +813,7 @@ def read_index_header(fd: int, where: str) -> IndexHeader:
     :class:`CheckpointFormatError` for anything not a chunk index of a supported version, and for
     a version 2 header whose own checksum or layout is wrong."""
     fail = lambda problem: CheckpointFormatError(f"{where}: {problem}")  # noqa: E731
-    header = _pread(fd, 0, _HEADER_SIZE, fail)
+    header = pread_exactly(fd, 0, _HEADER_SIZE, fail)
     (magic, version, header_size, flags, width, entries, rows, md_size, head_crc, tail_crc, _, _, _) = \
         _HEADER.unpack_from(header)
     if magic != _MAGIC:
@@ -833,7 +836,7 @@ def read_shared_objects(fd: int, header: IndexHeader, where: str, *, allow_unsaf
     fail = lambda problem: CheckpointFormatError(f"{where}: {problem}")  # noqa: E731
     if v2 is None:
         raise fail("has no shared objects (format version 1)")
-    packed = _pread(fd, v2.common_offset, v2.common_length, fail)
+    packed = pread_exactly(fd, v2.common_offset, v2.common_length, fail)
     if crc32c(packed) != v2.common_crc:
         raise fail("the shared objects' checksum does not match: the file is damaged")
     common = _common_objects(packed, header, fail, allow_unsafe)
@@ -856,13 +859,13 @@ def read_rank_section(fd: int, header: IndexHeader, rank: int, where: str, *, al
     if v2 is None or not 0 <= rank < v2.sections:
         return None
     fail = lambda problem: CheckpointFormatError(f"{where}: section of rank {rank}: {problem}")  # noqa: E731
-    entry = _pread(fd, v2.directory_offset + rank * _DIRECTORY_ENTRY.size, _DIRECTORY_ENTRY.size, fail)
+    entry = pread_exactly(fd, v2.directory_offset + rank * _DIRECTORY_ENTRY.size, _DIRECTORY_ENTRY.size, fail)
     offset, length, crc, zero = _DIRECTORY_ENTRY.unpack(entry)
     sections_start = v2.common_offset + v2.common_length
     if zero or not (sections_start <= offset and length >= _SECTION_HEADER.size
                     and offset + length <= v2.directory_offset):
         raise fail(f"directory entry (offset {offset}, length {length}) lies outside the sections")
-    raw = _pread(fd, offset, length, fail)
+    raw = pread_exactly(fd, offset, length, fail)
     if crc32c(raw) != crc:
         raise fail(f"checksum mismatch (recorded {crc:#010x}): the file is damaged")
     bytes_read = _DIRECTORY_ENTRY.size + length
@@ -950,7 +953,7 @@ def _common_objects(packed: bytes, header: IndexHeader, fail: Any, allow_unsafe:
     return common
 
 
-def _section_table(raw: bytes, header: IndexHeader, common: dict[str, Any], fail: Any
+def _section_table(raw: bytearray, header: IndexHeader, common: dict[str, Any], fail: Any
                    ) -> tuple[ChunkTable, torch.Tensor]:
     """A section's records as a :class:`ChunkTable` (every entry named, the section's rows) and
     the rows' ordinals; checked like a whole table."""
@@ -961,15 +964,16 @@ def _section_table(raw: bytes, header: IndexHeader, common: dict[str, Any], fail
     expected = _SECTION_HEADER.size + rows * columns * 8 + nfiles * 8 + names_length
     if expected != len(raw):
         raise fail(f"declares {rows} rows and {nfiles} files ({expected} bytes) but is {len(raw)} bytes")
-    body = bytearray(raw[_SECTION_HEADER.size:])
-    records = torch.frombuffer(body, dtype=torch.int64, count=rows * columns).view(rows, columns) if rows else \
+    body = _SECTION_HEADER.size  # where the records start in ``raw`` (read into a writable buffer)
+    records = torch.frombuffer(raw, dtype=torch.int64, offset=body, count=rows * columns).view(rows, columns) \
+        if rows else \
         torch.zeros((0, columns), dtype=torch.int64)
-    numbers = torch.frombuffer(body, dtype=torch.int64, offset=rows * columns * 8, count=nfiles) if nfiles else \
+    numbers = torch.frombuffer(raw, dtype=torch.int64, offset=body + rows * columns * 8, count=nfiles) if nfiles else \
         torch.zeros(0, dtype=torch.int64)
     if not _LITTLE_ENDIAN:
         records = records.view(torch.uint8).view(-1, 8).flip(1).contiguous().view(torch.int64).view(rows, columns)
         numbers = numbers.view(torch.uint8).view(-1, 8).flip(1).contiguous().view(torch.int64)
-    names_bytes = bytes(body[rows * columns * 8 + nfiles * 8:])
+    names_bytes = bytes(raw[body + rows * columns * 8 + nfiles * 8:])
     names = names_bytes.decode("utf-8", "surrogatepass").split("\0") if nfiles else []
     if len(names) != nfiles or (not nfiles and names_bytes):
         raise fail(f"lists {len(names)} file names for {nfiles} file numbers")

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ..format.chunk_index import IndexHeader, RankSection, read_chunk_index, read_rank_section
+from ..format.chunk_index import IndexHeader, RankSection, pread_exactly, read_chunk_index, read_rank_section
 from ..format.chunk_table import table_from_metadata
 from ..format.metadata import CheckpointFormatError, parse_metadata
 from ..format.table_metadata import _SD, _SDM, _TABLE, _UNBUILT, TableEntries, TableMetadata, TableStorageData
@@ -145,24 +145,13 @@ class IndexSource:
         except (CheckpointFormatError, OSError) as e:
             logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
         with gc_paused():
-            data = _read_all(self._metadata_fd)
+            data = pread_exactly(self._metadata_fd, 0, os.fstat(self._metadata_fd).st_size,
+                                 lambda problem: CheckpointFormatError(f"'{self.metadata_file}': {problem}"))
             count_metadata_read(len(data))
             parsed = parse_metadata(data, f"checkpoint metadata '{self.metadata_file}'",
                                     allow_unsafe=self.allow_unsafe)
             table = table_from_metadata(parsed)
         return TableMetadata(table, parsed.planner_data, parsed.storage_meta, parsed.version)
-
-
-def _read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    parts, at = [], 0
-    while at < size:
-        chunk = os.pread(fd, min(size - at, 64 << 20), at)
-        if not chunk:
-            break
-        parts.append(chunk)
-        at += len(chunk)
-    return b"".join(parts)
 
 
 _SOURCE = "_sectioned_source"

@@ -127,9 +127,8 @@ class FastLoadPlanner(DefaultLoadPlanner):
                 return LoadPlan(items)
         self.local_plan_misses += 1
         saved_keys = self.metadata.state_dict_metadata.keys() if table is None else table.fqns
-        missing = set(saved_keys) - self.state_dict.keys()
-        if missing and self.flatten_state_dict and _has_legacy_keys(self.original_state_dict, missing):
-            return super().create_local_plan()  # a pre-2.4 checkpoint: stock re-flattens
+        if self._saved_before_2_4(saved_keys):
+            return super().create_local_plan()  # stock re-flattens
         strict = not self.allow_partial_load
         with gc_paused():
             if table is None:
@@ -139,6 +138,11 @@ class FastLoadPlanner(DefaultLoadPlanner):
         if key is not None:
             plan_cache.current_process_state().local_load_plans.put(key, items)
         return LoadPlan(items)
+
+    def _saved_before_2_4(self, saved_keys: Any) -> bool:
+        """Whether the checkpoint's keys are the pre-2.4 flattening of this state dict's."""
+        missing = set(saved_keys) - self.state_dict.keys()
+        return bool(missing) and self.flatten_state_dict and _has_legacy_keys(self.original_state_dict, missing)
 
     def _plan_from_section(self, section: Any) -> LoadPlan | None:
         """The plan from this rank's section of the chunk index, with the few other ranks' sections
@@ -152,9 +156,8 @@ class FastLoadPlanner(DefaultLoadPlanner):
                 self.local_plan_hits += 1
                 self.metadata.planned_from(cached[1])
                 return LoadPlan(cached[0])
-        missing = set(section.table.fqns) - self.state_dict.keys()
-        if missing and self.flatten_state_dict and _has_legacy_keys(self.original_state_dict, missing):
-            return None  # a pre-2.4 checkpoint: stock re-flattens
+        if self._saved_before_2_4(section.table.fqns):
+            return None  # stock re-flattens, from the whole metadata
         with gc_paused():
             found = covering_read_items(self.state_dict, section, self.metadata.section_of, self.metadata.section_count,
                                         not self.allow_partial_load)
