@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -86,6 +87,8 @@ class BenchConfig:
     plan_ranks: list[int] = field(default_factory=lambda: [256, 1024, 4096])   # plan_scale: simulated N
     plan_budget_s: float = 600.0            # plan_scale: most seconds to build every rank's load plan
     plan_systems: list[str] | None = None   # plan_scale: which of stock, fastdcp (None: both)
+    plan_all_load_ranks: int = 4096         # plan_scale: above this N, only the sample ranks' loads
+    plan_workers: int = field(default_factory=lambda: os.cpu_count() or 1)  # plan_scale: unmeasured ranks' processes
     s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
     s3_size: int = 1 * GiB                  # s3: state size (moto takes ~0.1 GiB/s: 1 GiB is ~25 min)
     probe_bytes: int = 1 * GiB
@@ -190,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-systems", type=_csv,
                    help="plan_scale: which systems to simulate, of stock,fastdcp (default both; stock's 4,096-rank run "
                         "takes over half an hour, so larger N are run with fastdcp alone)")
+    p.add_argument("--plan-all-load-ranks", type=int,
+                   help="plan_scale: the largest load (rank count) whose every local load plan and coordinator round "
+                        "are simulated; above it only the sample ranks load (default 4096)")
+    p.add_argument("--plan-workers", type=int,
+                   help="plan_scale: processes that play the unmeasured ranks (untimed; nothing is measured while "
+                        "they run; default the CPU count)")
     p.add_argument("--s3-size", type=parse_size,
                    help="s3: state size (default the smaller of --size and 1GiB: the test server takes ~0.1 GiB/s)")
     p.add_argument("--s3-delay-ms", type=float,
@@ -324,6 +333,12 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if unknown or not a.plan_systems:
             parser.error(f"--plan-systems takes stock and/or fastdcp, not {unknown or 'nothing'}")
         c.plan_systems = a.plan_systems
+    for flag, name, value in (("--plan-all-load-ranks", "plan_all_load_ranks", a.plan_all_load_ranks),
+                              ("--plan-workers", "plan_workers", a.plan_workers)):
+        if value is not None:
+            if value < 1:
+                parser.error(f"{flag} must be >= 1")
+            setattr(c, name, value)
     if a.plan_budget is not None:
         if a.plan_budget < 0:
             parser.error("--plan-budget must be >= 0")

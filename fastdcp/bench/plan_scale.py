@@ -71,8 +71,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import inspect
 import math
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -108,6 +110,7 @@ SYSTEMS = ("stock", "fastdcp")
 FULL_RANKS = (256, 1024, 4096)
 QUICK_RANKS = (8, 32)
 DEFAULT_BUILD_BUDGET_S = 600.0
+DEFAULT_ALL_LOAD_PLANS_MAX_RANKS = 4096
 EXACT_VALIDATION_MAX_RANKS = 256
 VERIFY_METADATA_MAX_RANKS = 256
 
@@ -150,9 +153,6 @@ class PlanSystem:
     reader: Callable[[str], Any]
     pack_results: Callable[[SavePlan, list[WriteResult]], Any]
     description: dict[str, str]
-    # Whether the planners remember anything per process (fastdcp.planners.plan_cache): only then
-    # is an unmeasured rank's process state kept from its local plan until it got its global plan.
-    process_memory: bool = True
     # Whether its save planner runs stock's O(N^2) global plan validation, which is then
     # estimated above EXACT_VALIDATION_MAX_RANKS (simulated_ranks.estimate_validation).
     defers_stock_validation: bool = False
@@ -167,7 +167,7 @@ def stock_system() -> PlanSystem:
         "stock", DefaultSavePlanner, DefaultLoadPlanner, FileSystemWriter, FileSystemReader,
         lambda plan, results: results,
         {"planners": "DefaultSavePlanner / DefaultLoadPlanner", "storage": "FileSystemWriter / FileSystemReader"},
-        process_memory=False, defers_stock_validation=True)
+        defers_stock_validation=True)
 
 
 def fastdcp_system() -> PlanSystem:
@@ -257,6 +257,7 @@ class PlanScaleSimulation:
     def __init__(self, system: PlanSystem, world_size: int, directory: str, *, shape: ModelShape = LLAMA_7B,
                  build_budget_s: float = DEFAULT_BUILD_BUDGET_S,
                  exact_validation_max_ranks: int = EXACT_VALIDATION_MAX_RANKS,
+                 all_load_plans_max_ranks: int = DEFAULT_ALL_LOAD_PLANS_MAX_RANKS, workers: int = 1,
                  progress: Callable[[str], None] | None = None) -> None:
         if world_size < 2:
             raise ValueError(f"plan_scale needs at least 2 ranks, got {world_size}")
@@ -266,6 +267,8 @@ class PlanScaleSimulation:
         self.shape = shape
         self.build_budget_s = build_budget_s
         self.exact_validation = world_size <= exact_validation_max_ranks
+        self.all_load_plans_max_ranks = all_load_plans_max_ranks
+        self.workers = max(1, workers)
         self.progress = progress or (lambda message: None)
         self.records: list[StepRecord] = []
         self.notes: list[str] = []
@@ -403,7 +406,7 @@ class PlanScaleSimulation:
             self.info["items_per_rank"] = ranks.items_per_rank
             coordinator_state = _process_state()
             states = {r: coordinator_state if r == 0 else _process_state() for r in samples}
-            kept, others, blobs = self._first_local_plans(ranks, states)
+            kept, sent, blobs = self._first_local_plans(ranks, states)
             self.info["local_plan_bytes"] = sum(len(b) for b in blobs if b is not None)
 
             self._tell("save: coordinator plans")
@@ -414,7 +417,7 @@ class PlanScaleSimulation:
             self.info["global_plan_bytes"] = sum(len(b) for b in scattered)
 
             self._tell("save: ranks finish their plans and report their writes; the repeat's local plans")
-            result_blobs, repeat_blobs = self._rest_of_ranks(ranks, states, kept, others, scattered)
+            result_blobs, repeat_blobs = self._rest_of_ranks(ranks, states, kept, sent, scattered)
 
             self._tell("save: coordinator commits")
             gc.collect()
@@ -433,58 +436,80 @@ class PlanScaleSimulation:
     def _first_local_plans(self, ranks: SimulatedRanks, states: dict[int, Any]
                            ) -> tuple[dict[int, tuple[Any, Any]], dict[int, Any], list[bytes | None]]:
         """Every rank's local plan of the first save, pickled: (the sample ranks' planner and
-        writer, the other ranks' process states where the system keeps any, the pickled plans).
-        Every rank's process state lives until it has received its global plan (fastdcp's global
-        plan refers to what that process sent)."""
+        writer, what each other rank sent (:func:`_sent_plan`), the pickled plans). The sample
+        ranks run here, measured; the others in :meth:`_unmeasured` (their process state is not
+        kept: :meth:`_rest_of_ranks` makes it again)."""
         self._tell(f"save: {ranks.world_size} local plans")
         kept: dict[int, tuple[Any, Any]] = {}
-        others: dict[int, Any] = {}
         blobs: list[bytes | None] = [None] * ranks.world_size
-        for r in range(ranks.world_size):
-            state_dict = ranks.state_dict(r)
-            measured = r in states
-            state = states[r] if measured else _process_state()
-            with _simulated(state):
-                planner, writer, blobs[r] = self._local_save(state_dict, r, self.checkpoint, SAVE if measured else None)
-            if measured:
-                kept[r] = (planner, writer)
-            elif self.system.process_memory:
-                others[r] = state
-        return kept, others, blobs
+        for r in sorted(states):
+            with _simulated(states[r]):
+                planner, writer, blobs[r] = self._local_save(ranks.state_dict(r), r, self.checkpoint, SAVE)
+            kept[r] = (planner, writer)
+        sent: dict[int, Any] = {}
+        others = [r for r in range(ranks.world_size) if r not in states]
+        for r, blob, what in self._unmeasured(_first_plan_of, others, ranks):
+            blobs[r], sent[r] = blob, what
+        return kept, sent, blobs
 
     def _rest_of_ranks(self, ranks: SimulatedRanks, states: dict[int, Any], kept: dict[int, tuple[Any, Any]],
-                       others: dict[int, Any], scattered: list[bytes]) -> tuple[list[bytes | None], list[bytes | None]]:
+                       sent: dict[int, Any], scattered: list[bytes]) -> tuple[list[bytes | None], list[bytes | None]]:
         """Every rank receives its global plan, finishes it and reports its writes (the files the
-        results name are created, sparse); the unmeasured ranks also make their repeat's local plan
-        (warm, as their process would) before their state is dropped. Returns the pickled write
+        results name are created, sparse); the unmeasured ranks (:func:`_rest_of_rank`) also make
+        their repeat's local plan (warm, as their process would). Returns the pickled write
         results and the unmeasured ranks' pickled repeat plans. ``scattered`` is consumed."""
         n = ranks.world_size
         result_blobs: list[bytes | None] = [None] * n
         repeat_blobs: list[bytes | None] = [None] * n
         os.makedirs(self.checkpoint, exist_ok=True)
-        for r in range(n):
-            if r in states:
-                planner, _ = kept[r]
-                with _simulated(states[r]):
-                    blob = scattered[r]
-                    central = self._step(SAVE, RANK, SCATTER_RECEIVE, lambda: pickle.loads(blob), rank=r)
-                    final = self._step(SAVE, RANK, FINISH_PLAN, lambda: planner.finish_plan(central), rank=r)
-                    results, lengths = write_results(final, planner, self.blob_overhead)
-                    result_blobs[r] = self._step(
-                        SAVE, RANK, RESULTS_SEND, lambda: pickle.dumps(self.system.pack_results(final, results)), rank=r)
-            else:
-                with _simulated(others.pop(r) if self.system.process_memory else _process_state()):
-                    # A planner set up again for resolve_data (the first one, holding a state
-                    # dict, is not kept).
-                    planner = self.system.save_planner()
-                    planner.set_up_planner(state_dict=ranks.state_dict(r), storage_meta=None, is_coordinator=False)
-                    final = planner.finish_plan(pickle.loads(scattered[r]))
-                    results, lengths = write_results(final, planner, self.blob_overhead)
-                    result_blobs[r] = pickle.dumps(self.system.pack_results(final, results))
-                    _, _, repeat_blobs[r] = self._local_save(ranks.state_dict(r), r, self.repeat_checkpoint, None)
+        for r in sorted(states):
+            planner, _ = kept[r]
+            with _simulated(states[r]):
+                blob = scattered[r]
+                central = self._step(SAVE, RANK, SCATTER_RECEIVE, lambda: pickle.loads(blob), rank=r)
+                final = self._step(SAVE, RANK, FINISH_PLAN, lambda: planner.finish_plan(central), rank=r)
+                results, lengths = write_results(final, planner, self.blob_overhead)
+                result_blobs[r] = self._step(
+                    SAVE, RANK, RESULTS_SEND, lambda: pickle.dumps(self.system.pack_results(final, results)), rank=r)
             scattered[r] = b""  # received
             create_sparse_files(self.checkpoint, lengths)
+        others = [r for r in range(n) if r not in states]
+        work = ((r, scattered[r], sent.pop(r)) for r in others)
+        differ = []
+        for r, result_blob, lengths, repeat_blob, same in self._unmeasured(_rest_of_rank, work, ranks):
+            result_blobs[r], repeat_blobs[r] = result_blob, repeat_blob
+            scattered[r] = b""
+            create_sparse_files(self.checkpoint, lengths)
+            if not same:
+                differ.append(r)
+        if others:
+            self.checks.append(Check(
+                f"save: the {len(others)} unmeasured ranks' local plans, made again in their process before it "
+                f"received its global plan, equal the plans they sent", not differ,
+                f"differ on ranks {differ[:10]}" if differ else ""))
         return result_blobs, repeat_blobs
+
+    def _unmeasured(self, work: Callable[[Any], Any], tasks: Any, ranks: SimulatedRanks, **shared: Any) -> Any:
+        """``work(task)`` for every task (an unmeasured rank's untimed steps, playing ``ranks``,
+        with the objects ``shared`` inherited, never pickled),
+        yielding the results in order: in ``workers`` forked processes when there are several
+        (each with its own ``SimulatedRanks`` of the same world; nothing measured runs meanwhile,
+        and the pool is gone before the next measured step), else in this process."""
+        global _POOL
+        _POOL = (self, ranks, shared)
+        try:
+            if self.workers == 1:
+                yield from map(work, tasks)
+                return
+            gc.collect()
+            gc.freeze()  # the workers' collections leave the parent's objects (and their pages) alone
+            try:
+                with multiprocessing.get_context("fork").Pool(self.workers, initializer=_start_pool_worker) as pool:
+                    yield from pool.imap(work, tasks, chunksize=8)
+            finally:
+                gc.unfreeze()
+        finally:
+            _POOL = None
 
     def _commit(self, coordinator_state: Any, writer0: Any, metadata: Metadata, result_blobs: list[bytes | None],
                 receiver: int, receiver_state: Any) -> None:
@@ -583,13 +608,15 @@ class PlanScaleSimulation:
             states = {r: _process_state() for r in samples}
             planners: dict[int, Any] = {}
             blobs: list[bytes | None] = [None] * world
-            self._tell(f"{phase}: {world} local load plans")
+            every_rank = world <= self.all_load_plans_max_ranks
+            self._tell(f"{phase}: {world if every_rank else len(samples)} local load plans")
             matches: dict[int, bool | None] = {}
             for r in samples[1:]:
                 planners[r], blobs[r], matches[r] = self._sample_load(phase, ranks, r, states[r], reader, metadata,
                                                                       layout)
-            self._other_load_plans(phase, ranks, [r for r in range(world) if r not in states], reader, metadata,
-                                   layout, blobs)
+            if every_rank:
+                self._other_load_plans(phase, ranks, [r for r in range(world) if r not in states], reader, metadata,
+                                       layout, blobs)
             planners[0], blobs[0], matches[0] = self._sample_load(phase, ranks, 0, states[0], reader, metadata, layout)
             compared = [r for r, same in matches.items() if same is not None]
             if compared:
@@ -598,6 +625,12 @@ class PlanScaleSimulation:
                     f"{phase}: reference read plans = {self.system.name}'s planner's on ranks "
                     f"{', '.join(map(str, compared))}", not differ, f"item lists differ on ranks {differ}" if differ else ""))
 
+            if not every_rank:
+                self.notes.append(
+                    f"{phase}: the sample ranks' loads only ({', '.join(map(str, samples))}): above "
+                    f"{self.all_load_plans_max_ranks} ranks the other ranks' load plans and the coordinator's round "
+                    f"are not simulated (--plan-all-load-ranks)")
+                return
             self._tell(f"{phase}: coordinator")
             gc.collect()
             with _simulated(states[0]):
@@ -678,14 +711,9 @@ class PlanScaleSimulation:
                 f"{phase}: {len(others)} of {ranks.world_size} local load plans built by the reference (stock's items "
                 f"by bisection, checked equal on the sample ranks), not by {self.system.name}'s planner: "
                 f"{per_rank:.2f} s a rank x {len(others)} ranks > budget {self.build_budget_s:.0f} s")
-        for r in others:
-            state_dict = ranks.state_dict(r)
-            with _simulated(_process_state()):
-                if use_reference:
-                    plan = self._reference_plan(state_dict, r, reader, metadata, layout)
-                else:
-                    plan = self._local_load(None, r, state_dict, reader, metadata)[1]
-                blobs[r] = pickle.dumps(plan)
+        for r, blob in self._unmeasured(_load_plan_of, others, ranks, reader=reader, metadata=metadata, layout=layout,
+                                        use_reference=use_reference):
+            blobs[r] = blob
 
     # ------------------------------------------------------------------ run
 
@@ -697,6 +725,82 @@ class PlanScaleSimulation:
             system=self.system.name, ranks=self.world_size, records=self.records, info=self.info,
             notes=self.notes, checks=self.checks, metadata_file=os.path.join(self.checkpoint, ".metadata"),
             load_plans=self.load_plans)
+
+
+# --------------------------------------------------------------------------- unmeasured ranks
+
+# (simulation, ranks) of the unmeasured ranks' work under way: forked pool workers inherit it.
+_POOL: tuple[PlanScaleSimulation, SimulatedRanks, dict[str, Any]] | None = None
+
+
+def _start_pool_worker() -> None:
+    """A pool worker's own simulated ranks (the same world as the parent's): its process groups
+    are its own, so it can become any rank."""
+    global _POOL
+    assert _POOL is not None
+    sim, ranks, shared = _POOL
+    _POOL = (sim, SimulatedRanks(sim.shape, ranks.world_size), shared)
+
+
+def _sent_plan(planner: Any, blob: bytes) -> tuple[bytes | None, bytes]:
+    """What a rank's pickled local save plan ``blob`` carried, to check a plan made again against:
+    (the token its columns were sent under, a digest of the columns) for a plan sent as columns
+    (fastdcp), else (None, a digest of the blob)."""
+    columns = getattr(planner.plan.items, "columns", lambda: None)()
+    if columns is None:
+        return None, hashlib.blake2b(blob, digest_size=16).digest()
+    sent = columns[0]
+    return sent.token, hashlib.blake2b(sent.structure_blob + sent.numbers, digest_size=16).digest()
+
+
+def _first_plan_of(r: int) -> tuple[int, bytes, tuple[bytes | None, bytes]]:
+    """An unmeasured rank's local plan of the first save: (r, the pickled plan, what it sent)."""
+    assert _POOL is not None
+    sim, ranks, _ = _POOL
+    with _simulated(_process_state()):
+        planner, _, blob = sim._local_save(ranks.state_dict(r), r, sim.checkpoint, None)
+        return r, blob, _sent_plan(planner, blob)
+
+
+def _rest_of_rank(task: tuple[int, bytes, tuple[bytes | None, bytes]]
+                  ) -> tuple[int, bytes, dict[str, int], bytes, bool]:
+    """An unmeasured rank from its global plan on: its process state made again (its local plan,
+    planned again from a new state dict, must equal the one it sent; a plan sent as columns is
+    registered under the token it was sent under, as the process that sent it holds it), the
+    global plan unpickled and finished, the write results pickled, the repeat save's local plan
+    (warm). Returns (r, pickled results, {file: length}, pickled repeat plan, whether the plan
+    made again equals the one sent)."""
+    assert _POOL is not None
+    sim, ranks, _ = _POOL
+    r, central, (token, digest) = task
+    state = _process_state()
+    with _simulated(state):
+        planner, _, blob = sim._local_save(ranks.state_dict(r), r, sim.checkpoint, None)
+        again = _sent_plan(planner, blob)
+        same = again[1] == digest
+        if token is not None:
+            state.sent_plans.put(token, planner.plan.items)
+        final = planner.finish_plan(pickle.loads(central))
+        results, lengths = write_results(final, planner, sim.blob_overhead)
+        result_blob = pickle.dumps(sim.system.pack_results(final, results))
+        _, _, repeat_blob = sim._local_save(ranks.state_dict(r), r, sim.repeat_checkpoint, None)
+    return r, result_blob, lengths, repeat_blob, same
+
+
+def _load_plan_of(r: int) -> tuple[int, bytes]:
+    """An unmeasured rank's pickled local load plan, by the system's planner or by the reference
+    (``shared``: reader, metadata, layout, use_reference): (r, the pickled plan)."""
+    assert _POOL is not None
+    sim, ranks, shared = _POOL
+    reader, metadata, layout = shared["reader"], shared["metadata"], shared["layout"]
+    use_reference = shared["use_reference"]
+    state_dict = ranks.state_dict(r)
+    with _simulated(_process_state()):
+        if use_reference:
+            plan = sim._reference_plan(state_dict, r, reader, metadata, layout)
+        else:
+            plan = sim._local_load(None, r, state_dict, reader, metadata)[1]
+        return r, pickle.dumps(plan)
 
 
 # --------------------------------------------------------------------------- the scenario
@@ -817,7 +921,9 @@ def run_plan_scale(ctx: Any, wheres: list[str]) -> None:
             for system in systems:
                 started = time.perf_counter()
                 sim = PlanScaleSimulation(system, n, os.path.join(base, system.name),
-                                          build_budget_s=ctx.cfg.plan_budget_s, progress=ctx.progress)
+                                          build_budget_s=ctx.cfg.plan_budget_s,
+                                          all_load_plans_max_ranks=ctx.cfg.plan_all_load_ranks,
+                                          workers=ctx.cfg.plan_workers, progress=ctx.progress)
                 outcome = sim.run()
                 outcome.info["simulation_seconds"] = time.perf_counter() - started
                 outcome.info["where"] = where

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pickle
+import re
 import time
 import traceback
 from pathlib import Path
@@ -38,6 +39,7 @@ from fastdcp.bench.plan_scale import (
     PlanScaleSimulation,
     SimulationOutcome,
     cross_checks,
+    fastdcp_system,
     growth_exponent,
     n_log_n_exponent,
     stock_system,
@@ -266,6 +268,48 @@ def test_budget_and_validation_shortcuts(tmp_path):
     assert not dist.is_initialized()
 
 
+def test_unmeasured_ranks_in_worker_processes(tmp_path):
+    """The unmeasured ranks played by two forked workers give the coordinator what one process
+    gives it (the same .metadata); each remade its local plan and checked it against the one it
+    sent; above ``all_load_plans_max_ranks`` a load runs on the sample ranks only."""
+    written = {}
+    for workers in (1, 2):
+        sim = PlanScaleSimulation(fastdcp_system(), 8, str(tmp_path / f"w{workers}"), shape=SMALL,
+                                  workers=workers, all_load_plans_max_ranks=4)
+        outcome = sim.run()
+        assert outcome.checks and all(c.passed for c in outcome.checks), [c for c in outcome.checks if not c.passed]
+        remade = [c for c in outcome.checks if "made again" in c.name]
+        assert len(remade) == 1 and "the 4 unmeasured ranks" in remade[0].name
+        coordinator = {r.phase for r in outcome.records if r.side == COORDINATOR}
+        assert coordinator == {SAVE, REPEAT, LOAD_HALF}  # load_same (8 ranks > 4): the sample ranks only
+        assert {r.rank for r in outcome.records if r.phase == LOAD_SAME} == {0, 1, 4, 7}
+        assert any(note.startswith(f"{LOAD_SAME}: the sample ranks' loads only") for note in outcome.notes)
+        metadata = FileSystemReader(os.path.dirname(outcome.metadata_file)).read_metadata()
+        where = {index: (re.sub(r"^__(\d+)_[0-9a-f]+_", r"\1:", info.relative_path), info.offset, info.length)
+                 for index, info in metadata.storage_data.items()}  # (data file names are random per save)
+        written[workers] = (metadata.state_dict_metadata, where)
+    assert written[1] == written[2] and len(written[1][1]) > 8
+    assert not dist.is_initialized()
+
+
+def test_a_plan_made_again_that_differs_fails_the_check(tmp_path, monkeypatch):
+    """The check on remade local plans can fail: a rank whose second plan differs is named."""
+    import fastdcp.bench.plan_scale as plan_scale
+
+    sent_plan = plan_scale._sent_plan
+    calls = {"n": 0}
+
+    def drifting(planner, blob):
+        token, digest = sent_plan(planner, blob)
+        calls["n"] += 1
+        return token, digest if calls["n"] <= 4 else bytes(16)  # the first plans as sent, every remade one differs
+
+    monkeypatch.setattr(plan_scale, "_sent_plan", drifting)
+    outcome = PlanScaleSimulation(stock_system(), 8, str(tmp_path / "sim"), shape=SMALL, workers=1).run()
+    failed = [c for c in outcome.checks if not c.passed]
+    assert [c.name.split(": ")[0] for c in failed] == [SAVE] and "differ on ranks [2, 3, 5, 6]" in failed[0].detail
+
+
 def test_cross_checks_catch_a_difference():
     """The comparison of the systems' load plans fails on a plan that differs."""
     def outcome(name: str, items: list) -> SimulationOutcome:
@@ -384,6 +428,9 @@ def test_plan_scale_options():
     assert config_from_args([]).plan_ranks == [256, 1024, 4096]
     c = config_from_args(["--scenarios", "plan-scale", "--plan-ranks", "16,64", "--plan-budget", "5"])
     assert c.scenarios == ["plan_scale"] and c.plan_ranks == [16, 64] and c.plan_budget_s == 5
-    for bad in (["--plan-ranks", "1,4"], ["--plan-budget", "-1"]):
+    c = config_from_args(["--plan-workers", "3", "--plan-all-load-ranks", "64"])
+    assert c.plan_workers == 3 and c.plan_all_load_ranks == 64
+    assert config_from_args([]).plan_all_load_ranks == 4096 and config_from_args([]).plan_workers >= 1
+    for bad in (["--plan-ranks", "1,4"], ["--plan-budget", "-1"], ["--plan-workers", "0"], ["--plan-all-load-ranks", "0"]):
         with pytest.raises(SystemExit):
             config_from_args(bad)
