@@ -33,12 +33,14 @@ Separate processes: every simulated rank's steps run inside
 ``fastdcp.planners.plan_cache.simulated_process(state)``, so one rank's planner memory (plan
 caches, the plans it sent, pickled and unpickled blobs) never serves another. The coordinator
 (rank 0) keeps one state through the save and its repeat, and so do the measured sample ranks
-(:func:`simulated_ranks.sample_ranks`: 0, 1, N/2, N-1). Every other rank's state lives from its
-local plan until it has received its global plan (fastdcp's global plan refers to what that
-process sent), reported its writes and made its repeat's local plan (warm, as its process would),
-and is dropped then: all N states exist at once only between the first local plans and the
-coordinator's scatter (systems whose planners keep nothing per process, stock, keep none). A
-load is a new job: fresh states.
+(:func:`simulated_ranks.sample_ranks`: 0, 1, N/2, N-1). Every other rank is played twice, once
+before the coordinator's plan (its local plan, pickled) and once after it (a fresh process state:
+its local plan made again from a new state dict, checked equal to the one it sent, and for a plan
+sent as columns registered under the token it was sent under; then its global plan, its write
+results and its repeat's local plan, warm): keeping every rank's state (1.9 MiB each for fastdcp)
+would take 31 GiB at 16,384 ranks. These unmeasured steps run in ``--plan-workers`` forked
+processes (each with its own simulated process group); nothing is measured while they run. A load
+is a new job: fresh states.
 
 Shortcuts, each stated in the table where it applies:
 
@@ -46,6 +48,9 @@ Shortcuts, each stated in the table where it applies:
   untimed, only to produce what the coordinator receives;
 * every rank reads the same ``.metadata``: it is read once, by a fresh rank process (timed),
   and that reader object (set up by each rank in turn, the coordinator last) serves all ranks;
+* above ``--plan-all-load-ranks`` (default 4,096) ranks, a load runs on the sample ranks only
+  (their own-process loads and local plans): the other ranks' load plans and the coordinator's
+  round of that load are not simulated (no bar depends on them);
 * when building every rank's local load plan with the system's planner would take longer than
   ``--plan-budget`` seconds (estimated from the sample ranks), the other ranks' plans are built by
   :func:`simulated_ranks.reference_read_items` (stock's items, found by bisection) and checked
