@@ -111,6 +111,7 @@ _SECTION_HEADER = struct.Struct("<4sIQII")  # magic, width, rows, files, bytes o
 _SECTION_FIXED = 6  # record columns before the box: entry, ordinal, file, byte offset, byte length, checksum
 _MAX_COMMON_RATIO = 64  # decompressed shared objects per compressed byte, at most (zip bombs)
 _SECTION_BLOCK_ROWS = 1 << 20  # rank rows turned into sections at once (bounds the temporaries)
+_SECTION_GATHER_ROWS = 1 << 18  # rank rows gathered field by field, then transposed into records, at once
 _FLAG_STORAGE = 1
 _MAX_WIDTH = 1024  # as fastdcp.format.metadata's _MAX_NDIM
 _MAX_FILE_OFFSET = 1 << 62  # as fastdcp.format.metadata: byte ranges past this cannot be real
@@ -298,6 +299,15 @@ def edge_bytes_for(table: ChunkTable) -> int:
     return SECTION_EDGE_BYTES if has_rank_sections(table) else EDGE_BYTES
 
 
+def _gather_into(dest: torch.Tensor, source: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dest[:] = source[rows]`` for a 1-D ``dest`` of ``len(rows)`` int64 values, gathered
+    straight into ``dest`` when the dtypes match (no temporary)."""
+    if source.dtype == dest.dtype:
+        torch.index_select(source, 0, rows, out=dest)
+    else:
+        dest.copy_(source.index_select(0, rows))
+
+
 class _SectionWriter:
     """Version 2's parts after the table: the shared objects (zlib-compressed pickle of what a
     rank needs besides its rows), one section per rank, the directory.
@@ -305,9 +315,18 @@ class _SectionWriter:
     A section holds the rows rank ``r`` planned in the save (``table.rank_rows``), ascending, as
     int64 records ``entry, ordinal (the row's position in its entry), file, byte offset, byte
     length, checksum, offsets[width], lengths[width]``, where ``file`` is a checkpoint-wide file
-    number; then the numbers and names of the files it references."""
+    number; then the numbers and names of the files it references.
+
+    Ranks are handled in blocks of about ``_SECTION_BLOCK_ROWS`` rows (whole ranks, in order),
+    each with tensor operations and batched native calls whose number does not grow with the
+    block's ranks: at 16,384 ranks, native calls per rank (a CRC-32C, a write for each part of a
+    section) would cost more than the whole table."""
 
     def __init__(self, table: ChunkTable, width: int, facts: dict[str, Any]) -> None:
+        """Preconditions: ``table`` has storage columns and ``rank_rows`` and is consistent (as
+        :func:`read_chunk_index` checks; each rank's rows ascending). Everything but the records
+        is computed here, so that the header's layout (:meth:`layout`) is known before a byte of
+        the sections is written."""
         assert table.storage is not None and table.rank_rows is not None
         self.table, self.width = table, width
         counts = table.row_start[1:] - table.row_start[:-1]
@@ -320,20 +339,24 @@ class _SectionWriter:
         start = table.rank_rows.start
         self.ranks = len(start) - 1
         self.counts = (start[1:] - start[:-1]).tolist()
-        # The files each rank references (a pass over the rank rows before the records are cut,
-        # so that every section's length is known when the header is written).
+        self.blocks = self._blocks()
         self.files_of_rank: list[list[int]] = [[] for _ in range(self.ranks)]
-        nfiles = max(1, len(table.storage.files))
-        for a, b in self._blocks():
-            lo, hi = int(start[a]), int(start[b])
-            rank_of = torch.repeat_interleave(torch.arange(a, b, dtype=torch.int64), start[a + 1:b + 1] - start[a:b])
-            files = table.storage.file_index.index_select(0, table.rank_rows.rows[lo:hi]).to(torch.int64)
-            for key in torch.unique(rank_of * nfiles + files).tolist():
-                self.files_of_rank[key // nfiles].append(key % nfiles)
-        self.names = [b"\0".join(table.storage.files[f].encode("utf-8", "surrogatepass") for f in fs)
-                      for fs in self.files_of_rank]
+        for a, b in self.blocks:
+            self._find_files(a, b)
+        # Each section is header, records, tail (the file numbers, then the names "\0"-joined).
+        self.headers: list[bytes] = []
+        self.tails: list[bytes] = []
+        for count, files in zip(self.counts, self.files_of_rank):
+            names = b"\0".join(table.storage.files[f].encode("utf-8", "surrogatepass") for f in files)
+            self.headers.append(_SECTION_HEADER.pack(_SECTION_MAGIC, width, count, len(files), len(names)))
+            self.tails.append(struct.pack(f"<{len(files)}q", *files) + names)
+        self.lengths = [_SECTION_HEADER.size + count * self._record_bytes() + len(tail)
+                        for count, tail in zip(self.counts, self.tails)]
 
     def _blocks(self) -> list[tuple[int, int]]:
+        """Consecutive rank ranges ``(a, b)`` covering every rank, each closed once it holds
+        ``_SECTION_BLOCK_ROWS`` rows (ranks are not split: a block may pass the bound by one
+        rank's rows)."""
         blocks, a, held = [], 0, 0
         for r, count in enumerate(self.counts):
             held += count
@@ -344,69 +367,110 @@ class _SectionWriter:
             blocks.append((a, self.ranks))
         return blocks
 
-    def _record_bytes(self) -> int:
-        return 8 * (_SECTION_FIXED + 2 * self.width)
+    def _rows(self, a: int, b: int) -> torch.Tensor:
+        """The table rows ranks ``a..b-1`` planned, rank after rank."""
+        start = self.table.rank_rows.start
+        return self.table.rank_rows.rows[int(start[a]):int(start[b])]
 
-    def section_length(self, r: int) -> int:
-        return (_SECTION_HEADER.size + self.counts[r] * self._record_bytes() + 8 * len(self.files_of_rank[r])
-                + len(self.names[r]))
+    def _find_files(self, a: int, b: int) -> None:
+        """Fill ``files_of_rank[a:b]`` (empty lists) with each rank's distinct file numbers,
+        ascending. Precondition: file numbers index ``storage.files``."""
+        storage = self.table.storage
+        files = storage.file_index.index_select(0, self._rows(a, b))
+        # Only the first row of each run of rows in one file, within one rank, can add a
+        # (rank, file) pair. A rank's rows are mostly a few such runs (its own file; the file of
+        # the replicated items it lists), so what is sorted below is a few pairs per rank.
+        firsts = self.table.rank_rows.start[a:b + 1] - self.table.rank_rows.start[a]  # each rank's first row
+        run_starts = torch.ones(len(files), dtype=torch.bool)
+        run_starts[1:] = files[1:] != files[:-1]
+        run_starts[firsts[firsts < len(files)]] = True
+        at = run_starts.nonzero()[:, 0]
+        # The rank of each run (right=True: an empty rank's first row is the next rank's).
+        rank = torch.searchsorted(firsts, at, right=True) - 1 + a
+        nfiles = max(1, len(storage.files))
+        for key in torch.unique(rank * nfiles + files.index_select(0, at).to(torch.int64)).tolist():
+            self.files_of_rank[key // nfiles].append(key % nfiles)
+
+    def _record_columns(self) -> int:
+        return _SECTION_FIXED + 2 * self.width
+
+    def _record_bytes(self) -> int:
+        return 8 * self._record_columns()
 
     def layout(self, common_offset: int) -> tuple[int, int, int]:
         """(directory offset, sections, file size) for shared objects at ``common_offset``."""
         self.sections_start = common_offset + len(self.common)
-        directory = self.sections_start + sum(self.section_length(r) for r in range(self.ranks))
+        directory = self.sections_start + sum(self.lengths)
         return directory, self.ranks, directory + self.ranks * _DIRECTORY_ENTRY.size
 
-    def write(self, out: BinaryIO) -> int:
-        """Write the shared objects, the sections and the directory; the bytes written."""
+    def _records(self, rows: torch.Tensor, entry_of_row: torch.Tensor, fields: torch.Tensor,
+                 records: torch.Tensor) -> None:
+        """Fill ``records`` (int64 [len(rows), record columns]) with the records of table ``rows``
+        (``entry_of_row`` is ``table.entry_of_rows()``), using ``fields`` (int64 [record columns,
+        k]): ``k`` rows at a time are gathered field by field into ``fields``, then transposed
+        into ``records`` in one pass. (Gathering straight into row-major records writes each
+        field with the record's stride: a pass over all of ``records`` per field.)"""
         table, storage, width = self.table, self.table.storage, self.width
+        sources = [storage.file_index, storage.byte_offset, storage.byte_length, storage.checksums]
+        sources += [table.offsets[:, j] for j in range(width)] + [table.lengths[:, j] for j in range(width)]
+        step = fields.shape[1]
+        for at in range(0, len(rows), step):
+            part = rows[at:at + step]
+            gathered = fields[:, :len(part)]
+            entries = gathered[0]
+            _gather_into(entries, entry_of_row, part)
+            torch.sub(part, table.row_start.index_select(0, entries), out=gathered[1])  # ordinals
+            for column, source in zip(gathered[2:], sources):
+                _gather_into(column, source, part)
+            records[at:at + len(part)].copy_(gathered.t())
+
+    def write(self, out: BinaryIO) -> int:
+        """Write the shared objects, the sections and the directory (after :meth:`layout`); the
+        bytes written. Memory: one block's records (reused block after block)."""
         out.write(self.common)
         written = len(self.common)
-        entry_of_row = table.entry_of_rows()
-        start = table.rank_rows.start
-        directory: list[tuple[int, int]] = []  # (length, CRC-32C) per rank
-        for a, b in self._blocks():
-            lo, hi = int(start[a]), int(start[b])
-            rows = table.rank_rows.rows[lo:hi]
-            records = torch.empty((hi - lo, _SECTION_FIXED + 2 * width), dtype=torch.int64)
-            entries = entry_of_row.index_select(0, rows)
-            records[:, 0] = entries
-            records[:, 1] = rows - table.row_start.index_select(0, entries)
-            records[:, 2] = storage.file_index.index_select(0, rows)
-            records[:, 3] = storage.byte_offset.index_select(0, rows)
-            records[:, 4] = storage.byte_length.index_select(0, rows)
-            records[:, 5] = storage.checksums.index_select(0, rows)
-            records[:, _SECTION_FIXED:_SECTION_FIXED + width] = table.offsets.index_select(0, rows)
-            records[:, _SECTION_FIXED + width:] = table.lengths.index_select(0, rows)
-            raw_bytes = _le(records.view(-1))  # kept alive while its view is written
+        entry_of_row = self.table.entry_of_rows()
+        start = self.table.rank_rows.start
+        most = max((int(start[b] - start[a]) for a, b in self.blocks), default=0)
+        records = torch.empty((most, self._record_columns()), dtype=torch.int64)
+        fields = torch.empty((self._record_columns(), max(1, min(most, _SECTION_GATHER_ROWS))), dtype=torch.int64)
+        crcs: list[int] = []
+        for a, b in self.blocks:
+            rows = self._rows(a, b)
+            block = records[:len(rows)]
+            self._records(rows, entry_of_row, fields, block)
+            raw_bytes = _le(block.view(-1))  # kept alive while its view is written
             raw = _tensor_view(raw_bytes)
-            record_bytes = self._record_bytes()
-            bounds = [int(x) - lo for x in start[a:b + 1].tolist()]
-            for i, r in enumerate(range(a, b)):
-                files = self.files_of_rank[r]
-                parts = (
-                    _SECTION_HEADER.pack(_SECTION_MAGIC, width, self.counts[r], len(files), len(self.names[r])),
-                    raw[bounds[i] * record_bytes: bounds[i + 1] * record_bytes],
-                    struct.pack(f"<{len(files)}q", *files),
-                    self.names[r],
-                )
-                crc = 0
-                for part in parts:
-                    out.write(part)
-                    crc = crc32c(part, crc)
-                length = sum(len(p) for p in parts)
-                assert length == self.section_length(r)
-                directory.append((length, crc))
-                written += length
-            del records, raw, raw_bytes
-        entries_bytes = []
+            sections, at = [], 0
+            for r in range(a, b):
+                end = at + self.counts[r] * self._record_bytes()
+                sections.append((self.headers[r], raw[at:end], self.tails[r]))
+                at = end
+            assert at == len(raw)
+            crcs += self._checksums(sections)
+            # The parts as they are, not joined into one buffer (a copy of the block): ``out``
+            # buffers the small ones, and a rank's records are large enough to go straight out.
+            out.writelines(part for section in sections for part in section)
+            written += sum(self.lengths[a:b])
+            del sections, raw, raw_bytes
+        entries = []
         at = self.sections_start
-        for length, crc in directory:
-            entries_bytes.append(_DIRECTORY_ENTRY.pack(at, length, crc, 0))
+        for length, crc in zip(self.lengths, crcs):
+            entries.append(_DIRECTORY_ENTRY.pack(at, length, crc, 0))
             at += length
-        data = b"".join(entries_bytes)
-        out.write(data)
-        return written + len(data)
+        directory = b"".join(entries)
+        out.write(directory)
+        return written + len(directory)
+
+    @staticmethod
+    def _checksums(sections: list[tuple[Any, ...]]) -> list[int]:
+        """The CRC-32C of each section given as its parts, in one batched native call per part:
+        each part continues the CRC of the parts before it (the CRC of a+b is the CRC of b
+        seeded with the CRC of a), so no section is copied to be checksummed whole."""
+        crcs = [0] * len(sections)
+        for k in range(len(sections[0]) if sections else 0):
+            crcs = _crc_engine().crc32c([(section[k], None, crc) for section, crc in zip(sections, crcs)])
+        return crcs
 
 
 def _entry_extents(table: ChunkTable) -> list[tuple[int, ...]]:
