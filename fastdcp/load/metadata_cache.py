@@ -246,9 +246,13 @@ def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
                                          index_fd=os.dup(g.fileno()), metadata_fd=os.dup(f.fileno()))
                     return SectionedTableMetadata(source, shared["planner_data"], shared["storage_meta"],
                                                   shared["version"])
+            # What read_chunk_index reads: the whole file, or version 2's table part (the per-rank
+            # sections after it are not read, and may outgrow .metadata: it lists a replicated
+            # chunk once, the sections once per rank that saved it).
+            table_size = header.v2.common_offset if header.v2 is not None else index_size
             try:
-                if index_size > _INDEX_SIZE_RATIO * size + _INDEX_SIZE_SLACK:
-                    raise CheckpointFormatError(f"{where}: {index_size} bytes is implausibly large for a "
+                if table_size > _INDEX_SIZE_RATIO * size + _INDEX_SIZE_SLACK:
+                    raise CheckpointFormatError(f"{where}: {table_size} bytes is implausibly large for a "
                                                 f"{size}-byte .metadata")
                 g.seek(0)
                 with gc_paused():
