@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -143,6 +144,9 @@ def _worker(rank: int, store: str, root: str) -> None:
             loaded, _ = _load(path, mesh, Shard(0), reader, planner)
             _check(loaded, mesh, Shard(0))
         report["warnings"] = list(warnings)
+        dist.barrier()
+        if rank == 0:  # an intact copy for the checks after the run
+            shutil.copytree(path, os.path.join(root, "intact"))
         for how in ("section", "table", "missing"):
             dist.barrier()
             if rank == 0:
@@ -186,6 +190,49 @@ def test_rank_sections_on_real_ranks(tmp_path):
     assert any("damaged chunk index" in w for w in reports[1]["table"]["warnings"]), reports[1]
     # No index at all: every rank parses .metadata, quietly (stock-written checkpoints have none).
     assert all(r["missing"]["table_read"] and not r["missing"]["warnings"] for r in reports), reports
+    _whole_index_size_check_counts_the_table_part(tmp_path / "intact")
+
+
+def _whole_index_size_check_counts_the_table_part(path) -> None:
+    """A whole-index read (no process group) checks the size of what it reads, the table part,
+    against the .metadata: the sections after it may outgrow the .metadata (a replicated chunk is
+    listed once there and once per rank in the sections), and must not make the index refused."""
+    import logging
+
+    from fastdcp.load import metadata_cache
+
+    index_path = _index_path(path)
+    fd = os.open(index_path, os.O_RDONLY)
+    try:
+        table_part = CI.read_index_header(fd, "test").v2.common_offset
+    finally:
+        os.close(fd)
+    md_size = os.path.getsize(path / ".metadata")
+    index_size = os.path.getsize(index_path)
+    assert table_part < index_size
+    warned: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warned.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("fastdcp").addHandler(handler)
+    saved = metadata_cache._INDEX_SIZE_RATIO, metadata_cache._INDEX_SIZE_SLACK
+    try:
+        metadata_cache._INDEX_SIZE_SLACK = 0
+        # a bound between the table part and the whole file: the index is used
+        metadata_cache._INDEX_SIZE_RATIO = (table_part + index_size) / 2 / md_size
+        metadata_cache.clear_metadata_cache()
+        assert metadata_cache.load_table_metadata(str(path)) is not None and not warned, warned
+        # a bound below the table part: refused as implausibly large, with a warning
+        metadata_cache._INDEX_SIZE_RATIO = (table_part - 1) / md_size
+        assert metadata_cache.load_table_metadata(str(path)) is None
+        assert any("implausibly large" in w for w in warned), warned
+    finally:
+        metadata_cache._INDEX_SIZE_RATIO, metadata_cache._INDEX_SIZE_SLACK = saved
+        logging.getLogger("fastdcp").removeHandler(handler)
+        metadata_cache.clear_metadata_cache()
 
 
 # --------------------------------------------------------------------------- #
