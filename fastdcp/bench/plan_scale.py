@@ -734,7 +734,8 @@ class PlanScaleSimulation:
 
 # --------------------------------------------------------------------------- unmeasured ranks
 
-# (simulation, ranks) of the unmeasured ranks' work under way: forked pool workers inherit it.
+# (simulation, ranks, shared objects) of the unmeasured ranks' work under way: forked pool workers
+# inherit it.
 _POOL: tuple[PlanScaleSimulation, SimulatedRanks, dict[str, Any]] | None = None
 
 

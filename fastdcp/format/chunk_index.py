@@ -340,7 +340,8 @@ class _SectionWriter:
             **facts,
         }
         self.common = zlib.compress(pickle.dumps(common, protocol=4), 6)
-        self.rank_rows = _readable_rank_rows(table, common["inner_empty"])
+        self.entry_of_row = table.entry_of_rows()  # (the records' first column, and which rows are readable)
+        self.rank_rows = _readable_rank_rows(table, self.entry_of_row, common["inner_empty"])
         start = self.rank_rows.start
         self.ranks = len(start) - 1
         self.counts = (start[1:] - start[:-1]).tolist()
@@ -434,7 +435,7 @@ class _SectionWriter:
         bytes written. Memory: one block's records (reused block after block)."""
         out.write(self.common)
         written = len(self.common)
-        entry_of_row = self.table.entry_of_rows()
+        entry_of_row = self.entry_of_row
         start = self.rank_rows.start
         most = max((int(start[b] - start[a]) for a, b in self.blocks), default=0)
         records = torch.empty((most, self._record_columns()), dtype=torch.int64)
@@ -478,23 +479,22 @@ class _SectionWriter:
         return crcs
 
 
-def _readable_rank_rows(table: ChunkTable, inner_empty: list[int]) -> RankRows:
+def _readable_rank_rows(table: ChunkTable, entry: torch.Tensor, inner_empty: list[int]) -> RankRows:
     """``table.rank_rows`` without the rows no load plan can read: chunks with no elements (a
     length of 0 in one of their tensor's dimensions) of entries not in ``inner_empty``. Such a
     chunk lies at its tensor's edge (offset 0 or the dimension's size), where stock's overlap
-    test finds no box it overlaps. Rows of bytes entries and 0-d tensors are kept. Memory: a
-    mask over the table's rows and one over the rank rows."""
+    test finds no box it overlaps. Rows of bytes entries and 0-d tensors are kept. ``entry`` is
+    ``table.entry_of_rows()``. Memory: a mask over the table's rows and one over the rank rows."""
     assert table.rank_rows is not None
-    if not table.rows or not table.offsets.dim() == 2:
+    if not table.rows or table.offsets.dim() != 2:
         return table.rank_rows
     width = int(table.lengths.shape[1])
     ndim = torch.tensor([len(size) if size is not None else 0 for size in table.sizes], dtype=torch.int64)
-    entry = table.entry_of_rows()
     in_tensor = torch.arange(width, dtype=torch.int64) < ndim.index_select(0, entry).unsqueeze(1)
     unreadable = ((table.lengths == 0) & in_tensor).any(1)
     if inner_empty:
         unreadable &= ~torch.isin(entry, torch.tensor(inner_empty, dtype=torch.int64))
-    del entry, in_tensor
+    del in_tensor
     if not bool(unreadable.any()):
         return table.rank_rows
     rows = table.rank_rows.rows

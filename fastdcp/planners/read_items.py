@@ -505,8 +505,7 @@ def _check_covered(queries: list[_Query], query_items: tuple[list[ReadItem], lis
         for n in q.sizes:
             volume *= n
         if not volume:
-            size = sizes[q.entry]
-            if any(n == 0 and o not in (0, size[d]) for d, (o, n) in enumerate(zip(q.offsets, q.sizes))):
+            if not _empty_at_edge(q, sizes[q.entry]):
                 raise _NotCovered
             continue
         covered = 0
