@@ -14,6 +14,7 @@
 #include "engine.hpp"
 #include "file.hpp"
 #include "io_error.hpp"
+#include "radix_sort.hpp"
 
 #ifdef FASTDCP_WITH_CUDA
 #include "cuda/box_copy_cuda.cuh"
@@ -196,6 +197,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     "Copy byte runs of a (read-only) buffer to host addresses: runs are (source_offset, dest_address, "
     "nbytes). Every run is checked against the source before anything is copied; the copy releases "
     "the GIL. Precondition: each destination holds nbytes and stays alive for the call.");
+  m.def(
+    "stable_argsort_u64",
+    [](uint64_t keys_address, size_t n, uint64_t order_address) {
+      if (n > 0 && (keys_address == 0 || order_address == 0)) { throw py::value_error("null address with n > 0"); }
+      py::gil_scoped_release release;
+      return fastdcp::stable_argsort_u64(reinterpret_cast<const uint64_t*>(address(keys_address)), n,
+                                         reinterpret_cast<int64_t*>(address(order_address)));
+    },
+    py::arg("keys_address"), py::arg("n"), py::arg("order_address"),
+    "Write to order_address (n int64s) the stable ascending order of the n unsigned 64-bit keys at "
+    "keys_address (torch.argsort(keys, stable=True) for non-negative keys) by a linear-time radix "
+    "sort, and return True; return False, writing nothing, when the largest key and n - 1 need more "
+    "than 64 bits together. Releases the GIL. Preconditions: both addresses hold n values, do not "
+    "overlap and stay alive for the call.");
   m.def("on_memory_filesystem", &fastdcp::on_memory_filesystem, py::arg("path"),
         "True when path is on tmpfs/ramfs (O_DIRECT pointless there).");
   m.def("page_cache_resident_fraction", &fastdcp::page_cache_resident_fraction, py::arg("path"),

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from ..format.chunk_table import ChunkTable, RankRows, tensor_bytes
 from .plan_columns import NO_HINT, GlobalItems, ItemStructure, RankColumns
+from .sort_order import stable_argsort
 
 __all__ = ["BulkGlobalPlan", "plan_globally_in_bulk"]
 
@@ -155,7 +156,7 @@ def plan_globally_in_bulk(plans: list[tuple[RankColumns, ItemStructure]], to_low
     entry_of_fqn = torch.full((len(fqn_ids),), -1, dtype=torch.int64)
     entry_of_fqn[entry_order] = torch.arange(len(entry_order))
     kept_entry = entry_of_fqn[kept_fqn]
-    order = torch.argsort(kept_entry, stable=True)  # table row t holds kept row order[t]
+    order = stable_argsort(kept_entry)  # table row t holds kept row order[t]
     table_rows = torch.empty_like(order)
     table_rows[order] = torch.arange(len(order))
     entry_counts = torch.bincount(kept_entry, minlength=len(entry_order))
@@ -210,17 +211,31 @@ def _rank_rows(row_start: torch.Tensor, kept: torch.Tensor, table_rows: torch.Te
         row_of_key[key_of_row[kept]] = table_rows
         rows = row_of_key[key_of_row]
     if len(rows) > 1:
-        # Usually ascending already (entries are numbered in the order ranks plan them).
+        # Ascending already but for replicated items (each points at the row of the copy kept on
+        # some other rank, numbered where that rank's items are): sort within each rank only.
         step_down = rows[1:] < rows[:-1]
         boundaries = row_start[1:-1]
         boundaries = boundaries[(boundaries > 0) & (boundaries < len(rows))] - 1
         step_down[boundaries] = False
         if bool(step_down.any()):
-            ranks = len(row_start) - 1
-            rank_of = torch.repeat_interleave(torch.arange(ranks, dtype=torch.int64), row_start[1:] - row_start[:-1])
-            total = int(rows.max()) + 1
-            rows = torch.sort(rank_of * total + rows).values - rank_of * total
+            rows = rows.clone() if key_of_row is None else rows
+            _sort_within_ranks(rows, row_start)
     return RankRows(start=row_start.clone(), rows=rows)
+
+
+def _sort_within_ranks(rows: torch.Tensor, row_start: torch.Tensor) -> None:
+    """Sort ``rows`` in place within each rank's span ``row_start[r]:row_start[r + 1]``: runs of
+    consecutive ranks with as many rows each are one [ranks, rows] block sorted along its rows
+    (a rank's rows fit in cache; one sort over all rows would cost ~3 s at 16,384 ranks)."""
+    counts = (row_start[1:] - row_start[:-1]).tolist()
+    starts = row_start.tolist()
+    first = 0
+    for r in range(1, len(counts) + 1):
+        if r == len(counts) or counts[r] != counts[first]:
+            if counts[first] > 1:
+                block = rows[starts[first]:starts[r]].view(r - first, counts[first])
+                block.copy_(torch.sort(block, dim=1).values)
+            first = r
 
 
 def _dedup(fqn_of_row: torch.Tensor, offsets: torch.Tensor, rank_of_row: torch.Tensor, size_row: torch.Tensor,
@@ -230,17 +245,27 @@ def _dedup(fqn_of_row: torch.Tensor, offsets: torch.Tensor, rank_of_row: torch.T
     if ranks == 1:
         return None, None
     key = _row_keys(fqn_of_row, offsets)
-    unique, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
-    shared_row = counts[inverse] > 1
-    if not bool(shared_row.any()):
+    # Rows grouped by key (one linear-time stable sort: within a key, rows stay in row = rank order).
+    by_key = stable_argsort(key)
+    sorted_key = key.index_select(0, by_key)
+    del key
+    starts_group = torch.ones(len(sorted_key), dtype=torch.bool)
+    starts_group[1:] = sorted_key[1:] != sorted_key[:-1]
+    del sorted_key
+    group_of_sorted = torch.cumsum(starts_group, 0).sub_(1)
+    group_rows = torch.bincount(group_of_sorted)
+    shared_sorted = group_rows.index_select(0, group_of_sorted) > 1
+    if not bool(shared_sorted.any()):
         return None, None
+    inverse = torch.empty_like(by_key)
+    inverse[by_key] = group_of_sorted
+    shared_row = torch.empty_like(shared_sorted)
+    shared_row[by_key] = shared_sorted
     load = torch.zeros(ranks, dtype=torch.int64)
     load.index_add_(0, rank_of_row[~shared_row], size_row[~shared_row])
-    shared = shared_row.nonzero().squeeze(1)
-    # Group the shared rows by key, rows of a key in row (= rank) order.
-    group_order = torch.argsort(inverse[shared], stable=True)
-    shared = shared[group_order]
-    group_of = inverse[shared]
+    shared = by_key[shared_sorted]  # the shared rows, grouped by key, each key's rows in row order
+    group_of = group_of_sorted[shared_sorted]
+    del by_key, group_of_sorted, shared_sorted
     boundaries = torch.ones(len(shared), dtype=torch.bool)
     boundaries[1:] = group_of[1:] != group_of[:-1]
     group_first = boundaries.nonzero().squeeze(1)

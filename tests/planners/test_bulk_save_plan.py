@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from fastdcp.format.chunk_table import table_from_metadata
 from fastdcp.planners import items as PI
 from fastdcp.planners import plan_cache as PC
+from fastdcp.planners import sort_order
 from fastdcp.planners.global_save_plan import plan_globally_in_bulk
 from fastdcp.planners.plan_columns import ColumnarItems, GlobalItems, encode_columns
 
@@ -102,7 +103,10 @@ def _send(processes, plans: list[list[WriteItem]]) -> list[bytes]:
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("to_lowest", [False, True])
 @pytest.mark.parametrize("orders", [None, 2])
-def test_bulk_global_plan_equals_item_by_item(processes, seed, to_lowest, orders):
+@pytest.mark.parametrize("radix", [False, True], ids=["torch-sort", "radix-sort"])
+def test_bulk_global_plan_equals_item_by_item(processes, seed, to_lowest, orders, radix, monkeypatch):
+    if radix:  # the extension's radix sort for every sort, as at thousands of ranks
+        monkeypatch.setattr(sort_order, "RADIX_MIN_KEYS", 0)
     rng = random.Random(seed)
     ranks = rng.choice([1, 2, 3, 5, 8]) if orders is None else rng.choice([4, 7, 13])
     plans = _fsdp_plans(ranks, rng, orders)
@@ -128,6 +132,21 @@ def test_bulk_global_plan_equals_item_by_item(processes, seed, to_lowest, orders
         entry_of_row = bulk.table.entry_of_rows()
         for item, row in zip(items, rows):  # each item's row holds its key
             assert bulk.table.fqns[int(entry_of_row[row])] == item.index.fqn
+
+    # Each rank's rows for the chunk index sections: the rows of every item it planned (a
+    # replicated item's is the row of the copy kept), ascending.
+    table = bulk.table
+    entry_of_row = table.entry_of_rows().tolist()
+    row_of_key = {}
+    for row, e in enumerate(entry_of_row):
+        ndim = len(table.sizes[e]) if table.sizes[e] is not None else 0
+        row_of_key[(table.fqns[e], tuple(table.offsets[row, :ndim].tolist()))] = row
+    start = table.rank_rows.start.tolist() if ranks > 1 else None
+    for rank, local in enumerate(plans):
+        if start is None:
+            break
+        expected = sorted(row_of_key[(i.index.fqn, tuple(i.index.offset or ()))] for i in local)
+        assert table.rank_rows.rows[start[rank]:start[rank + 1]].tolist() == expected
 
 
 def _tables_equal(a, b) -> bool:
