@@ -281,13 +281,16 @@ def _interval_overlaps(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.
     maximum of the ends before i. For an empty or reversed i (``end_i <= start_i``) the candidates are
     the j with ``start_j < end_i`` (all before i in sorted order, i excluded), a prefix of the sorted
     starts: test the maximum end over that prefix."""
-    order = torch.argsort(starts, dim=1, stable=True)
-    a = starts.gather(1, order)
-    b = ends.gather(1, order)
+    # Chunks of a split usually come in rank order, their starts ascending: then the sorted order
+    # is the given one (a stable sort leaves it as it is) and no gather or scatter is needed.
+    in_order = starts.shape[1] < 2 or bool((starts[:, 1:] >= starts[:, :-1]).all())
+    order = None if in_order else torch.argsort(starts, dim=1, stable=True)
+    a = starts if order is None else starts.gather(1, order)
+    b = ends if order is None else ends.gather(1, order)
     max_end, max_at = torch.cummax(b, dim=1)
     proper = b > a
     hit = torch.zeros_like(proper)
-    witness = torch.zeros_like(order)
+    witness = torch.zeros_like(a)
     hit[:, 1:] = proper[:, 1:] & (max_end[:, :-1] > a[:, 1:])
     witness[:, 1:] = max_at[:, :-1]
     sets = (~proper).any(1).nonzero().flatten()  # only the sets holding empty or reversed intervals
@@ -301,6 +304,8 @@ def _interval_overlaps(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.
         witness.index_copy_(
             0, sets, torch.where(degenerate_hit, max_at_d.gather(1, prefix_last), witness.index_select(0, sets))
         )
+    if order is None:
+        return hit, witness
     # Back to the caller's column order: sorted position p is column order[g, p].
     hit_out = torch.zeros_like(hit).scatter_(1, order, hit)
     witness_out = torch.zeros_like(order).scatter_(1, order, order.gather(1, witness))
@@ -308,12 +313,8 @@ def _interval_overlaps(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.
 
 
 def _count_below(sorted_values: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """int64 [G, n]: how many of ``sorted_values[g]`` are < ``bounds[g, i]`` (``searchsorted``, done
-    with one stable sort: a bound sorts before values equal to it since it comes first)."""
-    n = sorted_values.shape[1]
-    order = torch.argsort(torch.cat([bounds, sorted_values], 1), dim=1, stable=True)
-    values_so_far = torch.cumsum(order >= n, dim=1)
-    return torch.zeros_like(order).scatter_(1, order, values_so_far)[:, :n]
+    """int64 [G, n]: how many of ``sorted_values[g]`` (ascending) are < ``bounds[g, i]``."""
+    return torch.searchsorted(sorted_values.contiguous(), bounds.contiguous())
 
 
 def _overlapping_pairs(
