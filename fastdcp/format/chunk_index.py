@@ -34,8 +34,11 @@ whole index (:func:`read_rank_section`):
   rows (fqns, properties, sizes, each entry's chunk count and extents, the entries with empty
   chunks inside their tensor, ``planner_data``, ``storage_meta``, ``version``);
 * one section per rank: the rows that rank planned in the save (replicated items' rows included)
-  that can be read, as int64 records with each row's position in its entry, then the numbers and
-  names of the files those rows are in. A chunk with no elements at its tensor's edge is left
+  that can be read, as records with each row's position in its entry, then the numbers and
+  names of the files those rows are in. Records are int64 (section magic ``FDRS``) or, when every
+  value but byte offsets and checksums fits int32 (the usual case), narrow (``FDRN``): per row the
+  byte offset and checksum as int64, then, after all rows, the other fields as int32 (48 bytes a
+  row instead of 80 for 2-D tensors; an earlier reader refuses such a section and falls back). A chunk with no elements at its tensor's edge is left
   out: it overlaps no box, so no load plan reads it (at 16,384 ranks of a 7B model most ranks
   hold such a chunk of most tensors, and listing them made the index 4.2x the ``.metadata``);
   entries with an empty chunk inside the tensor keep every row;
@@ -109,9 +112,12 @@ _TRAILER = struct.Struct("<4sI")
 _HEADER_V2 = struct.Struct("<IIQQQQ")
 _HEADER_CRC_AT = 124
 _DIRECTORY_ENTRY = struct.Struct("<QQII")  # section offset, length, CRC-32C, 0
-_SECTION_MAGIC = b"FDRS"
+_SECTION_MAGIC = b"FDRS"  # records as int64s
+_NARROW_SECTION_MAGIC = b"FDRN"  # records split: the fields that need int64, then the rest as int32s
 _SECTION_HEADER = struct.Struct("<4sIQII")  # magic, width, rows, files, bytes of file names
 _SECTION_FIXED = 6  # record columns before the box: entry, ordinal, file, byte offset, byte length, checksum
+_WIDE_FIELDS = (3, 5)  # of a narrow section's records, stored as int64: byte offset, checksum
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _MAX_COMMON_RATIO = 64  # decompressed shared objects per compressed byte, at most (zip bombs)
 _SECTION_BLOCK_ROWS = 1 << 20  # rank rows turned into sections at once (bounds the temporaries)
 _SECTION_GATHER_ROWS = 1 << 18  # rank rows gathered field by field, then transposed into records, at once
@@ -333,6 +339,7 @@ class _SectionWriter:
         the sections is written."""
         assert table.storage is not None and table.rank_rows is not None
         self.table, self.width = table, width
+        self.narrow = _fits_narrow_records(table)
         counts = table.row_start[1:] - table.row_start[:-1]
         common = {
             "fqns": list(table.fqns), "properties": list(table.properties), "sizes": list(table.sizes),
@@ -354,7 +361,8 @@ class _SectionWriter:
         self.tails: list[bytes] = []
         for count, files in zip(self.counts, self.files_of_rank):
             names = b"\0".join(table.storage.files[f].encode("utf-8", "surrogatepass") for f in files)
-            self.headers.append(_SECTION_HEADER.pack(_SECTION_MAGIC, width, count, len(files), len(names)))
+            magic = _NARROW_SECTION_MAGIC if self.narrow else _SECTION_MAGIC
+            self.headers.append(_SECTION_HEADER.pack(magic, width, count, len(files), len(names)))
             self.tails.append(struct.pack(f"<{len(files)}q", *files) + names)
         self.lengths = [_SECTION_HEADER.size + count * self._record_bytes() + len(tail)
                         for count, tail in zip(self.counts, self.tails)]
@@ -401,7 +409,8 @@ class _SectionWriter:
         return _SECTION_FIXED + 2 * self.width
 
     def _record_bytes(self) -> int:
-        return 8 * self._record_columns()
+        columns = self._record_columns()
+        return 8 * len(_WIDE_FIELDS) + 4 * (columns - len(_WIDE_FIELDS)) if self.narrow else 8 * columns
 
     def layout(self, common_offset: int) -> tuple[int, int, int]:
         """(directory offset, sections, file size) for shared objects at ``common_offset``."""
@@ -409,26 +418,46 @@ class _SectionWriter:
         directory = self.sections_start + sum(self.lengths)
         return directory, self.ranks, directory + self.ranks * _DIRECTORY_ENTRY.size
 
+    def _field_order(self) -> list[int]:
+        """The record fields (0 entry, 1 ordinal, 2 file, 3 byte offset, 4 byte length, 5 checksum,
+        then offsets and lengths) in the order they are stored: narrow records put the int64
+        fields first (:meth:`_parts`)."""
+        fields = range(self._record_columns())
+        return list(fields) if not self.narrow else [*_WIDE_FIELDS, *(f for f in fields if f not in _WIDE_FIELDS)]
+
+    def _parts(self) -> list[tuple[int, int, torch.dtype]]:
+        """Each record's stored parts as (first, end) positions in :meth:`_field_order` and the
+        dtype: one int64 part, or (narrow) the int64 fields, then the rest as int32. A section
+        holds a part's values for all its rows before the next part's."""
+        columns = self._record_columns()
+        if not self.narrow:
+            return [(0, columns, torch.int64)]
+        return [(0, len(_WIDE_FIELDS), torch.int64), (len(_WIDE_FIELDS), columns, torch.int32)]
+
     def _records(self, rows: torch.Tensor, entry_of_row: torch.Tensor, fields: torch.Tensor,
-                 records: torch.Tensor) -> None:
-        """Fill ``records`` (int64 [len(rows), record columns]) with the records of table ``rows``
-        (``entry_of_row`` is ``table.entry_of_rows()``), using ``fields`` (int64 [record columns,
-        k]): ``k`` rows at a time are gathered field by field into ``fields``, then transposed
-        into ``records`` in one pass. (Gathering straight into row-major records writes each
-        field with the record's stride: a pass over all of ``records`` per field.)"""
+                 outputs: list[torch.Tensor]) -> None:
+        """Fill ``outputs`` (one tensor [len(rows), part fields] per :meth:`_parts`) with the
+        records of table ``rows`` (``entry_of_row`` is ``table.entry_of_rows()``), using
+        ``fields`` (int64 [record columns, k]): ``k`` rows at a time are gathered field by field
+        into ``fields`` (in :meth:`_field_order`), then transposed into each output in one pass.
+        (Gathering straight into row-major records writes each field with the record's stride: a
+        pass over all of the records per field.)"""
         table, storage, width = self.table, self.table.storage, self.width
         sources = [storage.file_index, storage.byte_offset, storage.byte_length, storage.checksums]
         sources += [table.offsets[:, j] for j in range(width)] + [table.lengths[:, j] for j in range(width)]
+        row_of = {f: i for i, f in enumerate(self._field_order())}
+        parts = self._parts()
         step = fields.shape[1]
         for at in range(0, len(rows), step):
             part = rows[at:at + step]
             gathered = fields[:, :len(part)]
-            entries = gathered[0]
+            entries = gathered[row_of[0]]
             _gather_into(entries, entry_of_row, part)
-            torch.sub(part, table.row_start.index_select(0, entries), out=gathered[1])  # ordinals
-            for column, source in zip(gathered[2:], sources):
-                _gather_into(column, source, part)
-            records[at:at + len(part)].copy_(gathered.t())
+            torch.sub(part, table.row_start.index_select(0, entries), out=gathered[row_of[1]])  # ordinals
+            for f, source in enumerate(sources, start=2):
+                _gather_into(gathered[row_of[f]], source, part)
+            for out, (first, end, _) in zip(outputs, parts):
+                out[at:at + len(part)].copy_(gathered[first:end].t())  # (int32 parts: checked to fit)
 
     def write(self, out: BinaryIO) -> int:
         """Write the shared objects, the sections and the directory (after :meth:`layout`); the
@@ -438,32 +467,38 @@ class _SectionWriter:
         entry_of_row = self.entry_of_row
         start = self.rank_rows.start
         most = max((int(start[b] - start[a]) for a, b in self.blocks), default=0)
-        records = torch.empty((most, self._record_columns()), dtype=torch.int64)
+        parts = self._parts()
+        buffers = [torch.empty((most, end - first), dtype=dtype) for first, end, dtype in parts]
+        row_bytes = [(end - first) * (8 if dtype == torch.int64 else 4) for first, end, dtype in parts]
         fields = torch.empty((self._record_columns(), max(1, min(most, _SECTION_GATHER_ROWS))), dtype=torch.int64)
         crcs: list[int] = []
         for a, b in self.blocks:
             rows = self._rows(a, b)
-            block = records[:len(rows)]
-            self._records(rows, entry_of_row, fields, block)
-            raw_bytes = _le(block.view(-1))  # kept alive while its view is written
-            raw = _tensor_view(raw_bytes)
-            sections, at = [], 0
+            blocks = [buffer[:len(rows)] for buffer in buffers]
+            self._records(rows, entry_of_row, fields, blocks)
+            raw_tensors = [_le(block.reshape(-1)) for block in blocks]  # kept alive while their views are written
+            raws = [_tensor_view(t) for t in raw_tensors]
+            sections, at = [], [0] * len(raws)
             for r in range(a, b):
-                end = at + self.counts[r] * self._record_bytes()
-                sections.append((self.headers[r], raw[at:end], self.tails[r]))
-                at = end
-            assert at == len(raw)
+                pieces = [self.headers[r]]
+                for k, raw in enumerate(raws):
+                    end = at[k] + self.counts[r] * row_bytes[k]
+                    pieces.append(raw[at[k]:end])
+                    at[k] = end
+                pieces.append(self.tails[r])
+                sections.append(tuple(pieces))
+            assert at == [len(raw) for raw in raws]
             crcs += self._checksums(sections)
             # The parts as they are, not joined into one buffer (a copy of the block): ``out``
             # buffers the small ones, and a rank's records are large enough to go straight out.
             out.writelines(part for section in sections for part in section)
             written += sum(self.lengths[a:b])
-            del sections, raw, raw_bytes
+            del sections, raws, raw_tensors
         entries = []
-        at = self.sections_start
+        at_byte = self.sections_start
         for length, crc in zip(self.lengths, crcs):
-            entries.append(_DIRECTORY_ENTRY.pack(at, length, crc, 0))
-            at += length
+            entries.append(_DIRECTORY_ENTRY.pack(at_byte, length, crc, 0))
+            at_byte += length
         directory = b"".join(entries)
         out.write(directory)
         return written + len(directory)
@@ -477,6 +512,22 @@ class _SectionWriter:
         for k in range(len(sections[0]) if sections else 0):
             crcs = _crc_engine().crc32c([(section[k], None, crc) for section, crc in zip(sections, crcs)])
         return crcs
+
+
+def _fits_narrow_records(table: ChunkTable) -> bool:
+    """Whether every section record of ``table`` fits the narrow layout: all fields but the byte
+    offset and the checksum within int32 (entries, ordinals and file numbers are below the row
+    count; offsets, lengths and byte lengths are checked)."""
+    storage = table.storage
+    assert storage is not None
+    if table.rows > _INT32_MAX or len(storage.files) > _INT32_MAX:
+        return False
+    for column in (table.offsets, table.lengths, storage.byte_length):
+        if column.numel():
+            low, high = torch.aminmax(column)
+            if int(low) < _INT32_MIN or int(high) > _INT32_MAX:
+                return False
+    return True
 
 
 def _readable_rank_rows(table: ChunkTable, entry: torch.Tensor, inner_empty: list[int]) -> RankRows:
@@ -1048,27 +1099,43 @@ def _common_objects(packed: bytes, header: IndexHeader, fail: Any, allow_unsafe:
     return common
 
 
+def _section_numbers(raw: bytearray, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` little-endian ``dtype`` values of ``raw`` from byte ``offset``, in native order."""
+    if not count:
+        return torch.zeros(0, dtype=dtype)
+    values = torch.frombuffer(raw, dtype=dtype, offset=offset, count=count)
+    if not _LITTLE_ENDIAN:
+        size = values.element_size()
+        values = values.view(torch.uint8).view(-1, size).flip(1).contiguous().view(dtype).view(-1)
+    return values
+
+
 def _section_table(raw: bytearray, header: IndexHeader, common: dict[str, Any], fail: Any
                    ) -> tuple[ChunkTable, torch.Tensor]:
     """A section's records as a :class:`ChunkTable` (every entry named, the section's rows) and
     the rows' ordinals; checked like a whole table."""
     magic, width, rows, nfiles, names_length = _SECTION_HEADER.unpack_from(raw)
     columns = _SECTION_FIXED + 2 * width
-    if magic != _SECTION_MAGIC or width != header.width:
+    if magic not in (_SECTION_MAGIC, _NARROW_SECTION_MAGIC) or width != header.width:
         raise fail(f"not a section (magic {shown(magic)}, width {width} of the table's {header.width})")
-    expected = _SECTION_HEADER.size + rows * columns * 8 + nfiles * 8 + names_length
+    narrow = magic == _NARROW_SECTION_MAGIC
+    wide_columns = len(_WIDE_FIELDS) if narrow else columns
+    records_bytes = rows * (wide_columns * 8 + (columns - wide_columns) * 4)
+    expected = _SECTION_HEADER.size + records_bytes + nfiles * 8 + names_length
     if expected != len(raw):
         raise fail(f"declares {rows} rows and {nfiles} files ({expected} bytes) but is {len(raw)} bytes")
     body = _SECTION_HEADER.size  # where the records start in ``raw`` (read into a writable buffer)
-    records = torch.frombuffer(raw, dtype=torch.int64, offset=body, count=rows * columns).view(rows, columns) \
-        if rows else \
-        torch.zeros((0, columns), dtype=torch.int64)
-    numbers = torch.frombuffer(raw, dtype=torch.int64, offset=body + rows * columns * 8, count=nfiles) if nfiles else \
-        torch.zeros(0, dtype=torch.int64)
-    if not _LITTLE_ENDIAN:
-        records = records.view(torch.uint8).view(-1, 8).flip(1).contiguous().view(torch.int64).view(rows, columns)
-        numbers = numbers.view(torch.uint8).view(-1, 8).flip(1).contiguous().view(torch.int64)
-    names_bytes = bytes(raw[body + rows * columns * 8 + nfiles * 8:])
+    wide = _section_numbers(raw, body, rows * wide_columns, torch.int64).view(rows, wide_columns)
+    if narrow:  # the records rebuilt as int64 [rows, columns], fields in their logical order
+        rest = _section_numbers(raw, body + rows * wide_columns * 8, rows * (columns - wide_columns), torch.int32)
+        records = torch.empty((rows, columns), dtype=torch.int64)
+        others = [f for f in range(columns) if f not in _WIDE_FIELDS]
+        records[:, list(_WIDE_FIELDS)] = wide
+        records[:, others] = rest.view(rows, columns - wide_columns).to(torch.int64)
+    else:
+        records = wide
+    numbers = _section_numbers(raw, body + records_bytes, nfiles, torch.int64)
+    names_bytes = bytes(raw[body + records_bytes + nfiles * 8:])
     names = names_bytes.decode("utf-8", "surrogatepass").split("\0") if nfiles else []
     if len(names) != nfiles or (not nfiles and names_bytes):
         raise fail(f"lists {len(names)} file names for {nfiles} file numbers")

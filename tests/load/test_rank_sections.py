@@ -85,6 +85,13 @@ def _section_span(index_path: str, rank: int) -> tuple[int, int]:
     return offset, length
 
 
+def _section_magic(index_path: str, rank: int) -> bytes:
+    offset, _ = _section_span(index_path, rank)
+    with open(index_path, "rb") as f:
+        f.seek(offset)
+        return f.read(4)
+
+
 def _flip(path: str, at: int) -> None:
     with open(path, "r+b") as f:
         f.seek(at)
@@ -240,13 +247,20 @@ def _whole_index_size_check_counts_the_table_part(path) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def test_sections_hold_each_ranks_rows_and_round_trip():
+@pytest.mark.parametrize("layout", ["int64 records", "narrow records"])
+def test_sections_hold_each_ranks_rows_and_round_trip(layout):
     import io
 
     import chunk_table_cases as T
     from fastdcp.format.chunk_table import RankRows
 
-    table = T.random_table(11, entries=25, max_chunks=6)
+    if layout == "int64 records":  # chunks and byte lengths past 2^31
+        table = T.random_table(11, entries=25, max_chunks=6)
+    else:  # every value but byte offsets (past 2^40 here) and checksums within int32, 2^31 - 1 included
+        table = T.random_table(11, entries=25, max_chunks=6, big=False)
+        table.storage.byte_length.clamp_(max=(1 << 31) - 1)
+        assert int(table.storage.byte_offset.max()) > 1 << 32 and int(table.storage.byte_length.max()) == (1 << 31) - 1
+    assert CI._fits_narrow_records(table) == (layout == "narrow records")
     ranks = 5
     generator = torch.Generator().manual_seed(3)
     rows, start = [], [0]
@@ -276,13 +290,17 @@ def test_sections_hold_each_ranks_rows_and_round_trip():
             return size is None or e in inner or all(table.lengths[row, d] > 0 for d in range(len(size)))
 
         dropped = 0
+        magic = CI._NARROW_SECTION_MAGIC if layout == "narrow records" else CI._SECTION_MAGIC
         for r in range(ranks):
+            assert _section_magic(f.name, r) == magic
             section = CI.read_rank_section(f.fileno(), header, r, "test")
             mine = [row for row in rows[start[r]:start[r + 1]] if readable(row)]
             dropped += start[r + 1] - start[r] - len(mine)
             assert torch.equal(section.table.offsets, table.offsets[mine])
             assert torch.equal(section.table.lengths, table.lengths[mine])
             assert torch.equal(section.table.storage.byte_offset, table.storage.byte_offset[mine])
+            assert torch.equal(section.table.storage.byte_length, table.storage.byte_length[mine])
+            assert torch.equal(section.table.storage.checksums, table.storage.checksums[mine])
             named = [section.table.storage.files[i] for i in section.table.storage.file_index.tolist()]
             assert named == [table.storage.files[i] for i in table.storage.file_index[mine].tolist()]
             entry = table.entry_of_rows()[mine]
@@ -291,14 +309,18 @@ def test_sections_hold_each_ranks_rows_and_round_trip():
         assert dropped  # (the random table has empty chunks at edges)
 
 
-def test_a_forged_section_is_refused_naming_it(tmp_path):
+@pytest.mark.parametrize("layout", ["int64 records", "narrow records"])
+def test_a_forged_section_is_refused_naming_it(tmp_path, layout):
     import io
 
     import chunk_table_cases as T
     from fastdcp.format.chunk_table import RankRows
     from fastdcp.format.metadata import CheckpointFormatError
 
-    table = T.random_table(12, entries=10, max_chunks=3)
+    table = T.random_table(12, entries=10, max_chunks=3, big=layout == "int64 records")
+    if layout == "narrow records":
+        table.storage.byte_length.clamp_(max=(1 << 31) - 1)
+    assert CI._fits_narrow_records(table) == (layout == "narrow records")
     table.rank_rows = RankRows(torch.tensor([0, 2, table.rows]), torch.arange(table.rows))
     out = io.BytesIO()
     CI.write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
@@ -308,7 +330,12 @@ def test_a_forged_section_is_refused_naming_it(tmp_path):
     offset, length = _section_span(str(path), 1)
     # A record naming an entry past the table, with the section's CRC recomputed.
     body_at = offset + CI._SECTION_HEADER.size
-    data[body_at: body_at + 8] = (10 ** 6).to_bytes(8, "little")
+    if layout == "int64 records":
+        data[body_at: body_at + 8] = (10 ** 6).to_bytes(8, "little")
+    else:  # the first int32 field, after every row's byte offset and checksum
+        _, _, rows, _, _ = CI._SECTION_HEADER.unpack_from(data, offset)
+        entry_at = body_at + rows * 8 * len(CI._WIDE_FIELDS)
+        data[entry_at: entry_at + 4] = (10 ** 6).to_bytes(4, "little")
     crc = CI.crc32c(bytes(data[offset: offset + length]))
     fd = os.open(path, os.O_RDONLY)
     try:
