@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from ..format.chunk_table import ChunkTable, RankRows, tensor_bytes
-from .plan_columns import NO_HINT, GlobalItems, ItemStructure, RankColumns
+from .plan_columns import NO_HINT, GlobalItems, ItemStructure, RankColumns, number_values
 from .sort_order import stable_argsort
 
 __all__ = ["BulkGlobalPlan", "plan_globally_in_bulk"]
@@ -118,9 +118,14 @@ def plan_globally_in_bulk(plans: list[tuple[RankColumns, ItemStructure]], to_low
         count = f.structure.number_count
         padded = torch.zeros((len(group), count + 1), dtype=torch.int64)
         if count:
-            numbers = bytearray().join(plans[r][0].numbers for r in group)
-            padded[:, :-1] = torch.frombuffer(numbers, dtype=torch.int64).view(len(group), -1)
-            del numbers
+            itemsizes = {plans[r][0].itemsize for r in group}
+            if len(itemsizes) == 1:  # the usual case: one conversion for the group
+                numbers = bytearray().join(plans[r][0].numbers for r in group)
+                padded[:, :-1] = number_values(numbers, itemsizes.pop()).view(len(group), -1)
+                del numbers
+            else:
+                for i, r in enumerate(group):
+                    padded[i, :-1] = plans[r][0].numbers_tensor()
         hint_index, offset_index, length_index = f.structure.gather_indices()
         g_width = offset_index.shape[1]
         hints = padded[:, hint_index]

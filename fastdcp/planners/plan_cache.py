@@ -154,9 +154,9 @@ class _PackedItems(list):
             if encoded is None:
                 self._columns = False
             else:
-                structure, blob, numbers = encoded
+                structure, blob, numbers, itemsize = encoded
                 token = new_token()
-                self._columns = (RankColumns(token, blob, numbers), structure)
+                self._columns = (RankColumns(token, blob, numbers, itemsize), structure)
                 current_process_state().sent_plans.put(token, self)
         return self._columns or None
 
@@ -165,7 +165,8 @@ class _PackedItems(list):
         if columns is not None:
             rank_columns = columns[0]
             current_process_state().sent_plans.put(rank_columns.token, self)  # most recently used
-            return (_columnar_items, (rank_columns.token, rank_columns.structure_blob, rank_columns.numbers))
+            return (_columnar_items, (rank_columns.token, rank_columns.structure_blob, rank_columns.numbers,
+                                      rank_columns.itemsize))
         blob = self._blob
         if blob is None:
             items = tuple(self)

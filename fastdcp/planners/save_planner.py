@@ -91,7 +91,7 @@ class _CachedBulkSavePlan:
         if columns is None or setting != self.setting or len(columns) != len(self.local_columns):
             return False
         for plan, (now, _), then, planner_data in zip(plans, columns, self.local_columns, self.local_planner_data):
-            if now.numbers != then.numbers or (
+            if now.itemsize != then.itemsize or now.numbers != then.numbers or (
                 now.structure_blob is not then.structure_blob and now.structure_blob != then.structure_blob
             ):
                 return False

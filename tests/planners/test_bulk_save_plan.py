@@ -149,6 +149,31 @@ def test_bulk_global_plan_equals_item_by_item(processes, seed, to_lowest, orders
         assert table.rank_rows.rows[start[rank]:start[rank + 1]].tolist() == expected
 
 
+@pytest.mark.parametrize("rows", [90_000, 3 << 31])
+def test_numbers_travel_in_the_narrowest_width_and_plan_alike(processes, rows):
+    """Each rank sends its numbers in the narrowest integer width that holds them: ranks of one
+    structure may differ (here the first ranks' offsets fit int16, the last's not), and the global
+    plan is the item-by-item one."""
+    ranks = 3
+    plans = []
+    for rank in range(ranks):
+        off, length = _row_split(rows, ranks, rank)
+        plans.append([_shard("w", (rows, 1), (off, 0), (length, 1)),
+                      _shard("step", (), (), (), hint=0, kind=WriteItemType.TENSOR)])
+    expected_items, expected_md = _reference(plans, False)
+    sent = _send(processes, plans)
+    with PC.simulated_process(processes("coordinator")):
+        received = [pickle.loads(blob) for blob in sent]
+        widths = [p.items.columns.itemsize for p in received]
+        bulk = plan_globally_in_bulk([(p.items.columns, p.items.structure) for p in received], False)
+        scattered = [pickle.dumps(items) for items in bulk.global_items]
+    assert widths == ([2, 2, 4] if rows == 90_000 else [8, 8, 8])
+    assert _tables_equal(table_from_metadata(Metadata(expected_md)), bulk.table)
+    for rank, blob in enumerate(scattered):
+        with PC.simulated_process(processes(rank)):
+            assert list(pickle.loads(blob)) == expected_items[rank]
+
+
 def _tables_equal(a, b) -> bool:
     return (a.fqns == b.fqns and a.properties == b.properties and a.sizes == b.sizes
             and torch.equal(a.row_start, b.row_start)
