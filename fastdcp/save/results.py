@@ -120,21 +120,30 @@ def storage_columns(rows: int, per_rank: list[ResultColumns]) -> StorageColumns:
     """The table's storage columns from every rank's results. Raises ``ValueError`` unless every
     row of the table got exactly one result."""
     files: list[str] = []
-    parts: list[tuple[torch.Tensor, ...]] = []
-    for columns in per_rank:
-        base = len(files)
+    bases, counts = [], []
+    for rank, columns in enumerate(per_rank):
+        sizes = {len(columns.rows), len(columns.file_index), len(columns.byte_offset), len(columns.byte_length),
+                 len(columns.checksums)}
+        if len(sizes) != 1 or len(columns.rows) % 8:
+            raise ValueError(f"rank {rank}'s write results have columns of different lengths")
+        bases.append(len(files))
+        counts.append(len(columns.rows) // 8)
         files.extend(columns.files)
-        parts.append((
-            int64_values(columns.rows),
-            int64_values(columns.file_index) + base,
-            int64_values(columns.byte_offset),
-            int64_values(columns.byte_length),
-            int64_values(columns.checksums),
-        ))
+
+    def joined(field: str) -> torch.Tensor:
+        # One buffer per field for all ranks (per-rank tensors cost more than the copy at
+        # thousands of ranks); bytearray().join copies once and stays writable.
+        data = bytearray().join(getattr(columns, field) for columns in per_rank)
+        return torch.frombuffer(data, dtype=torch.int64) if data else torch.zeros(0, dtype=torch.int64)
+
+    row = joined("rows")
+    rank_file = joined("file_index")
+    if len(rank_file):  # each rank's file numbers, after the files of the ranks before it
+        rank_file += torch.repeat_interleave(torch.tensor(bases, dtype=torch.int64),
+                                             torch.tensor(counts, dtype=torch.int64))
     # The same file name from two ranks cannot happen (names carry the rank); dedup anyway.
     unique: dict[str, int] = {}
     remap = torch.tensor([unique.setdefault(name, len(unique)) for name in files] or [0], dtype=torch.int64)
-    row = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, dtype=torch.int64)
     seen = torch.bincount(row, minlength=rows) if len(row) else torch.zeros(rows, dtype=torch.int64)
     if len(seen) != rows or bool((seen != 1).any()):
         missing = int((seen == 0).sum()) if len(seen) >= rows else 0
@@ -146,10 +155,10 @@ def storage_columns(rows: int, per_rank: list[ResultColumns]) -> StorageColumns:
     byte_offset = torch.empty(rows, dtype=torch.int64)
     byte_length = torch.empty(rows, dtype=torch.int64)
     checksums = torch.empty(rows, dtype=torch.int64)
-    file_index[row] = remap[torch.cat([p[1] for p in parts])]
-    byte_offset[row] = torch.cat([p[2] for p in parts])
-    byte_length[row] = torch.cat([p[3] for p in parts])
-    checksums[row] = torch.cat([p[4] for p in parts])
+    file_index[row] = remap[rank_file]
+    byte_offset[row] = joined("byte_offset")
+    byte_length[row] = joined("byte_length")
+    checksums[row] = joined("checksums")
     return StorageColumns(
         files=list(unique),
         file_index=file_index.to(torch.int32),
