@@ -1,8 +1,8 @@
 #include "radix_sort.hpp"
 
 #include <array>
-#include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace fastdcp {

@@ -38,9 +38,10 @@ whole index (:func:`read_rank_section`):
   names of the files those rows are in. Records are int64 (section magic ``FDRS``) or, when every
   value but byte offsets and checksums fits int32 (the usual case), narrow (``FDRN``): per row the
   byte offset and checksum as int64, then, after all rows, the other fields as int32 (48 bytes a
-  row instead of 80 for 2-D tensors; an earlier reader refuses such a section and falls back). A chunk with no elements at its tensor's edge is left
-  out: it overlaps no box, so no load plan reads it (at 16,384 ranks of a 7B model most ranks
-  hold such a chunk of most tensors, and listing them made the index 4.2x the ``.metadata``);
+  row instead of 80 for 2-D tensors; an earlier reader refuses such a section and falls back to
+  ``.metadata``). A chunk with no elements at its tensor's edge is left out: it overlaps no
+  box, so no load plan reads it (at 16,384 ranks of a 7B model most ranks hold such a chunk of
+  most tensors, and listing them made the index 4.2x the ``.metadata``);
   entries with an empty chunk inside the tensor keep every row;
 * the directory: per rank, its section's offset, length and CRC-32C.
 
@@ -323,9 +324,10 @@ class _SectionWriter:
 
     A section holds the rows rank ``r`` planned in the save (``table.rank_rows``) but those of
     chunks with no elements at their tensor's edge (:func:`_readable_rank_rows`), ascending, as
-    int64 records ``entry, ordinal (the row's position in its entry), file, byte offset, byte
-    length, checksum, offsets[width], lengths[width]``, where ``file`` is a checkpoint-wide file
-    number; then the numbers and names of the files it references.
+    records ``entry, ordinal (the row's position in its entry), file, byte offset, byte length,
+    checksum, offsets[width], lengths[width]``, where ``file`` is a checkpoint-wide file number
+    (int64, or narrow: :func:`_fits_narrow_records`, :meth:`_parts`); then the numbers and names
+    of the files it references.
 
     Ranks are handled in blocks of about ``_SECTION_BLOCK_ROWS`` rows (whole ranks, in order),
     each with tensor operations and batched native calls whose number does not grow with the

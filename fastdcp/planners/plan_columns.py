@@ -6,8 +6,9 @@ one, 4,096 of them take the coordinator minutes to unpickle. Split into two part
 - the **structure** (per item: key, type, tensor properties, global size) is the same on every
   rank of an FSDP/DTensor job, so it travels as one pickled blob that the coordinator decodes once
   per distinct blob (:class:`ItemStructure`);
-- the **numbers** (per item: the chunk's offsets and sizes and the index hint) are one int64
-  buffer per rank, which the coordinator's bulk planner reads as a tensor.
+- the **numbers** (per item: the chunk's offsets and sizes and the index hint) are one buffer
+  per rank, of the narrowest of int16/int32/int64 that holds them, which the coordinator's bulk
+  planner reads as a tensor.
 
 On the way back, a rank's global plan is its own local plan with some replicated items dropped
 and index hints set: the coordinator sends only that difference (:class:`GlobalItems`: a keep
