@@ -16,7 +16,8 @@ A load sees one committed checkpoint even while another save overwrites the dire
 after reading ``.metadata`` the reader opens every data file it names (up to
 ``_PIN_FILES_LIMIT``) and reads through those handles, so files the overwrite's cleanup unlinks
 stay readable; a file that vanished between reading the metadata and opening it means a commit
-happened in between, so the metadata is read once more. With several ranks, the coordinator checks
+happened in between, so the metadata is read again (as long as it keeps being replaced, up to
+``_METADATA_READS`` times). With several ranks, the coordinator checks
 that every rank read the same save (``StorageMeta.save_id``) and otherwise fails with a clear error
 instead of loading a mix.
 
@@ -317,8 +318,16 @@ class FastFileSystemReader(FileSystemReader):
         return metadata
 
     def _read_metadata(self, rank: int | None) -> Metadata:
+        """This load's metadata, its data files pinned. A data file missing right after
+        ``.metadata`` was read means a concurrent save committed in between (its cleanup removed
+        the file): ``.metadata`` is read again, as long as it keeps being replaced (up to
+        ``_METADATA_READS`` times: saves committing back to back on a loaded machine can do that
+        more than once). A file missing while ``.metadata`` is unchanged is a damaged checkpoint,
+        reported by the read that needs the file."""
         group_rank = _default_group_rank() if rank is None else None
-        for attempt in range(2):
+        for attempt in range(_METADATA_READS):
+            committed = _metadata_identity(self.path)
+            last = attempt == _METADATA_READS - 1
             metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata,
                                            sectioned=group_rank is not None)
             if isinstance(metadata, SectionedTableMetadata):
@@ -329,7 +338,8 @@ class FastFileSystemReader(FileSystemReader):
                 if section is not None:
                     for rel in section.table.storage.files:  # type: ignore[union-attr]
                         check_relative_path(self.path, rel)
-                    if self._pin_names(set(section.table.storage.files)) or attempt == 1:  # type: ignore[union-attr]
+                    if self._pin_names(set(section.table.storage.files)) or last \
+                            or _metadata_identity(self.path) == committed:
                         break
                     logger.info("a data file of %s vanished right after its .metadata was read (a concurrent "
                                 "save committed): reading .metadata again", self.path)
@@ -341,8 +351,8 @@ class FastFileSystemReader(FileSystemReader):
                     check_relative_path(self.path, rel)
             else:
                 check_data_paths(self.path, metadata.storage_data)
-            if self._pin(metadata) or attempt == 1:
-                break  # pinned; or missing twice: a damaged checkpoint, reported when read
+            if self._pin(metadata) or last or _metadata_identity(self.path) == committed:
+                break  # pinned; or missing while .metadata is unchanged: reported when read
             logger.info("a data file of %s vanished right after its .metadata was read (a concurrent save "
                         "committed): reading .metadata again", self.path)
         return self._remember(metadata)
@@ -523,6 +533,20 @@ def _in_mode(file: _C.File, direct: bool) -> _C.File:
     except OSError:
         pass  # read-only: nothing was written that a close could report lost
     return reopened
+
+
+# How many times a load reads .metadata while saves keep committing new ones under it.
+_METADATA_READS = 8
+
+
+def _metadata_identity(path: Any) -> tuple[int, int, int] | None:
+    """What changes when a save commits a new ``.metadata`` (it is renamed into place): inode,
+    modification time and size; None when it cannot be read."""
+    try:
+        st = os.stat(os.path.join(str(path), ".metadata"))
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _default_group_rank() -> int | None:
