@@ -118,7 +118,6 @@ _NARROW_SECTION_MAGIC = b"FDRN"  # records split: the fields that need int64, th
 _SECTION_HEADER = struct.Struct("<4sIQII")  # magic, width, rows, files, bytes of file names
 _SECTION_FIXED = 6  # record columns before the box: entry, ordinal, file, byte offset, byte length, checksum
 _WIDE_FIELDS = (3, 5)  # of a narrow section's records, stored as int64: byte offset, checksum
-_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _MAX_COMMON_RATIO = 64  # decompressed shared objects per compressed byte, at most (zip bombs)
 _SECTION_BLOCK_ROWS = 1 << 20  # rank rows turned into sections at once (bounds the temporaries)
 _SECTION_GATHER_ROWS = 1 << 18  # rank rows gathered field by field, then transposed into records, at once
@@ -200,6 +199,15 @@ def _element_size(name: str, t: torch.Tensor) -> int:
     return 4 if -(1 << 31) <= lo and hi < 1 << 31 else 8
 
 
+def _native(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D int tensor read as little-endian bytes, in native byte order (the reverse of
+    :func:`_le`; ``t`` itself on little-endian machines)."""
+    if _LITTLE_ENDIAN or not t.numel():
+        return t
+    size = t.element_size()
+    return t.view(torch.uint8).view(-1, size).flip(1).contiguous().view(t.dtype).view(-1)
+
+
 def _pad(n: int) -> int:
     return -n % 8
 
@@ -255,8 +263,10 @@ def write_chunk_index(
     for (_, t), size in zip(columns, element_sizes):
         at += _pad(at) + t.numel() * size
     objects_offset = at + _pad(at)
-    sections = _SectionWriter(table, width, dict(planner_data=planner_data, storage_meta=storage_meta,
-                                                  version=version)) if has_rank_sections(table) else None
+    sizes_by_name = dict(zip((name for name, _ in columns), element_sizes))
+    sections = _SectionWriter(table, width, _fits_narrow_records(table, sizes_by_name),
+                              dict(planner_data=planner_data, storage_meta=storage_meta, version=version)) \
+        if has_rank_sections(table) else None
     header = _HEADER.pack(
         _MAGIC, _SECTIONS_VERSION if sections else _FORMAT_VERSION, _HEADER_SIZE,
         _FLAG_STORAGE if table.storage is not None else 0, width,
@@ -334,14 +344,15 @@ class _SectionWriter:
     block's ranks: at 16,384 ranks, native calls per rank (a CRC-32C, a write for each part of a
     section) would cost more than the whole table."""
 
-    def __init__(self, table: ChunkTable, width: int, facts: dict[str, Any]) -> None:
-        """Preconditions: ``table`` has storage columns and ``rank_rows`` and is consistent (as
+    def __init__(self, table: ChunkTable, width: int, narrow: bool, facts: dict[str, Any]) -> None:
+        """``narrow``: records in the narrow layout (:func:`_fits_narrow_records` of ``table``).
+        Preconditions: ``table`` has storage columns and ``rank_rows`` and is consistent (as
         :func:`read_chunk_index` checks; each rank's rows ascending). Everything but the records
         is computed here, so that the header's layout (:meth:`layout`) is known before a byte of
         the sections is written."""
         assert table.storage is not None and table.rank_rows is not None
         self.table, self.width = table, width
-        self.narrow = _fits_narrow_records(table)
+        self.narrow = narrow
         counts = table.row_start[1:] - table.row_start[:-1]
         common = {
             "fqns": list(table.fqns), "properties": list(table.properties), "sizes": list(table.sizes),
@@ -519,20 +530,18 @@ class _SectionWriter:
         return crcs
 
 
-def _fits_narrow_records(table: ChunkTable) -> bool:
+def _fits_narrow_records(table: ChunkTable, element_sizes: dict[str, int] | None = None) -> bool:
     """Whether every section record of ``table`` fits the narrow layout: all fields but the byte
-    offset and the checksum within int32 (entries, ordinals and file numbers are below the row
-    count; offsets, lengths and byte lengths are checked)."""
+    offset and the checksum within int32, by the rule the table part's columns are narrowed by
+    (:func:`_element_size`; ``element_sizes`` by column name when already known). Entries,
+    ordinals and file numbers are below the row and file counts."""
     storage = table.storage
     assert storage is not None
-    if table.rows > _INT32_MAX or len(storage.files) > _INT32_MAX:
+    if table.rows >= 1 << 31 or len(storage.files) >= 1 << 31:
         return False
-    for column in (table.offsets, table.lengths, storage.byte_length):
-        if column.numel():
-            low, high = torch.aminmax(column)
-            if int(low) < _INT32_MIN or int(high) > _INT32_MAX:
-                return False
-    return True
+    if element_sizes is None:
+        element_sizes = {name: _element_size(name, t) for name, t in _columns_of(table)}
+    return all(element_sizes[name] == 4 for name in ("offsets", "lengths", "byte_length"))
 
 
 def _readable_rank_rows(table: ChunkTable, entry: torch.Tensor, inner_empty: list[int]) -> RankRows:
@@ -660,13 +669,10 @@ class _Source:
         if skip:
             if any(self.read_bytes(skip)):
                 raise self.fail(f"non-zero padding before byte {self.pos}")
-        dtype = torch.int32 if element_size == 4 else torch.int64
-        t = torch.empty(count, dtype=dtype)
+        t = torch.empty(count, dtype=torch.int32 if element_size == 4 else torch.int64)
         if count:
             self.read_into(_tensor_view(t.view(torch.uint8)))
-            if not _LITTLE_ENDIAN:
-                t = t.view(torch.uint8).view(-1, element_size).flip(1).contiguous().view(dtype).view(-1)
-        return t
+        return _native(t)
 
 
 def read_chunk_index(data: Any, where: str, *, allow_unsafe: bool = False) -> ChunkIndex:
@@ -1108,11 +1114,7 @@ def _section_numbers(raw: bytearray, offset: int, count: int, dtype: torch.dtype
     """``count`` little-endian ``dtype`` values of ``raw`` from byte ``offset``, in native order."""
     if not count:
         return torch.zeros(0, dtype=dtype)
-    values = torch.frombuffer(raw, dtype=dtype, offset=offset, count=count)
-    if not _LITTLE_ENDIAN:
-        size = values.element_size()
-        values = values.view(torch.uint8).view(-1, size).flip(1).contiguous().view(dtype).view(-1)
-    return values
+    return _native(torch.frombuffer(raw, dtype=dtype, offset=offset, count=count))
 
 
 def _section_table(raw: bytearray, header: IndexHeader, common: dict[str, Any], fail: Any

@@ -327,7 +327,10 @@ class FastFileSystemReader(FileSystemReader):
         group_rank = _default_group_rank() if rank is None else None
         for attempt in range(_METADATA_READS):
             committed = _metadata_identity(self.path)
-            last = attempt == _METADATA_READS - 1
+
+            def settled(pinned: bool) -> bool:  # pinned; or the last try; or damage, not a commit
+                return pinned or attempt == _METADATA_READS - 1 or _metadata_identity(self.path) == committed
+
             metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata,
                                            sectioned=group_rank is not None)
             if isinstance(metadata, SectionedTableMetadata):
@@ -338,8 +341,7 @@ class FastFileSystemReader(FileSystemReader):
                 if section is not None:
                     for rel in section.table.storage.files:  # type: ignore[union-attr]
                         check_relative_path(self.path, rel)
-                    if self._pin_names(set(section.table.storage.files)) or last \
-                            or _metadata_identity(self.path) == committed:
+                    if settled(self._pin_names(set(section.table.storage.files))):  # type: ignore[union-attr]
                         break
                     logger.info("a data file of %s vanished right after its .metadata was read (a concurrent "
                                 "save committed): reading .metadata again", self.path)
@@ -351,8 +353,8 @@ class FastFileSystemReader(FileSystemReader):
                     check_relative_path(self.path, rel)
             else:
                 check_data_paths(self.path, metadata.storage_data)
-            if self._pin(metadata) or last or _metadata_identity(self.path) == committed:
-                break  # pinned; or missing while .metadata is unchanged: reported when read
+            if settled(self._pin(metadata)):
+                break  # a file missing under an unchanged .metadata is reported when read
             logger.info("a data file of %s vanished right after its .metadata was read (a concurrent save "
                         "committed): reading .metadata again", self.path)
         return self._remember(metadata)
