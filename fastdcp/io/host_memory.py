@@ -36,6 +36,13 @@ before it copies into it (``box_copy(prefault=True)``, see ``csrc/prefault.hpp``
 Both are page-aligned, so tensors placed at 4096-multiples inside them are written with O_DIRECT
 straight from the slab. With CUDA the slab is page-locked with ``cudaHostRegister``; never across
 ``fork`` (a child gets a fresh, unpinned slab of its own).
+
+**Fake-pinned mode** (``FASTDCP_TEST_FAKE_PINNED=1``, for test suites on machines without a GPU):
+slabs are "pinned" as under CUDA, without CUDA: :func:`allocate_slab` pins by default, the slab is
+shared memory and uncut as a pinned one is, and ``Tensor.is_pinned()`` answers true for every CPU
+tensor inside such a slab, so that staging, the device ring and the code after them (DCP's own
+checks of pinned tensors included) take the branches they take on a GPU machine. Nothing else
+changes: no memory is page-locked, and the mode only reports memory as pinned.
 """
 
 from __future__ import annotations
@@ -44,13 +51,14 @@ import bisect
 import math
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HostSlab", "allocate_slab", "slab_bytes", "PAGE"]
+__all__ = ["HostSlab", "allocate_slab", "slab_bytes", "fake_pinned", "PAGE"]
 
 PAGE = mmap.PAGESIZE
 _SHM_DIR = "/dev/shm"
@@ -67,8 +75,56 @@ def _shm_has_room(nbytes: int) -> bool:
     return nbytes <= available - _SHM_HEADROOM * stats.f_blocks * stats.f_frsize
 
 
+FAKE_PINNED_ENV = "FASTDCP_TEST_FAKE_PINNED"
+_fake_lock = threading.Lock()
+_fake_ranges: dict[int, int] = {}  # start -> end of the slabs "pinned" in fake-pinned mode
+_real_is_pinned = torch.Tensor.is_pinned
+
+
+def fake_pinned() -> bool:
+    """Whether fake-pinned mode is on (see the module docstring): ``FASTDCP_TEST_FAKE_PINNED`` set
+    to anything but empty or ``0``."""
+    return os.environ.get(FAKE_PINNED_ENV, "") not in ("", "0")
+
+
+def _reported_pinned(self: torch.Tensor, *args, **kwargs) -> bool:
+    """``Tensor.is_pinned`` in fake-pinned mode: true for a CPU tensor whose bytes start inside a
+    fake-pinned slab (as CUDA answers for any address in a registered range), else torch's answer."""
+    if _fake_ranges and self.device.type == "cpu":
+        try:
+            ptr = self.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass: torch's answer
+            ptr = None
+        if ptr is not None and any(start <= ptr < end for start, end in list(_fake_ranges.items())):
+            return True
+    return _real_is_pinned(self, *args, **kwargs)
+
+
+def _fake_pin(ptr: int, nbytes: int) -> bool:
+    """Register ``[ptr, ptr+nbytes)`` as pinned in fake-pinned mode; installs the reporting
+    ``Tensor.is_pinned`` on first use."""
+    with _fake_lock:
+        _fake_ranges[ptr] = ptr + nbytes
+        if torch.Tensor.is_pinned is not _reported_pinned:
+            torch.Tensor.is_pinned = _reported_pinned  # type: ignore[method-assign]
+    return True
+
+
+def _forget_fake_pins_after_fork() -> None:
+    """A forked child inherits no page-locking: its copies of fake-pinned slabs are not pinned."""
+    global _fake_lock
+    _fake_lock = threading.Lock()
+    _fake_ranges.clear()
+
+
+os.register_at_fork(after_in_child=_forget_fake_pins_after_fork)
+
+
 def _pin(ptr: int, nbytes: int) -> bool:
-    """Page-lock [ptr, ptr+nbytes) for CUDA; False (and the memory stays pageable) when it fails."""
+    """Page-lock [ptr, ptr+nbytes) for CUDA; False (and the memory stays pageable) when it fails.
+    In fake-pinned mode the range is only registered as pinned (no CUDA call)."""
+    if fake_pinned():
+        return _fake_pin(ptr, nbytes)
     try:
         from torch.cuda import _pin_memory_utils  # torch >= 2.5
 
@@ -83,6 +139,8 @@ def _pin(ptr: int, nbytes: int) -> bool:
 
 
 def _unpin(ptr: int) -> None:
+    if _fake_ranges.pop(ptr, None) is not None:
+        return
     try:
         from torch.cuda import _pin_memory_utils
 
@@ -167,7 +225,8 @@ def allocate_slab(nbytes: int, *, prefer_shared: bool | None = None, pin: bool |
                   segment_starts: Sequence[int] = ()) -> HostSlab:
     """A new page-aligned slab of :func:`slab_bytes` (``nbytes``).
 
-    ``pin``: page-lock for CUDA; default: when CUDA is available in this process.
+    ``pin``: page-lock for CUDA; default: when CUDA is available in this process (or in
+    fake-pinned mode, see the module docstring).
     ``prefer_shared``: use shared memory when ``/dev/shm`` has room; default: when pinned (see the
     module docstring).
     ``segment_starts``: offsets, page multiples inside the slab, where a new segment begins (see the
@@ -175,7 +234,7 @@ def allocate_slab(nbytes: int, *, prefer_shared: bool | None = None, pin: bool |
     moving a pinned slab would drop its page-locking anyway."""
     size = slab_bytes(nbytes)
     if pin is None:
-        pin = torch.cuda.is_available()
+        pin = torch.cuda.is_available() or fake_pinned()
     if prefer_shared is None:
         prefer_shared = bool(pin)
     cuts = sorted(set(segment_starts) - {0})

@@ -106,18 +106,20 @@ def _place(end: int, size: int) -> int:
     return -(-end // align) * align
 
 
-def _slab_tensors(obj: Any, path: str = "") -> Iterator[tuple[torch.Tensor, str]]:
+def _slab_tensors(obj: Any, path: str = "", group: int | None = None) -> Iterator[tuple[torch.Tensor, str, int | None]]:
     """Every tensor of ``obj`` that goes into the slab, in traversal order, with its path in the
-    state dict (for error messages); lazily, so that a caller wanting the first one (the writer's
-    release, through the planner's flattened state dict: the same tensor objects) walks no further."""
+    state dict (for error messages) and its group: the ``id`` of the ShardedTensor whose local
+    shard it is (staged or streamed together, see :func:`_fits`), else None. Lazily, so that a
+    caller wanting the first one (the writer's release, through the planner's flattened state
+    dict: the same tensor objects) walks no further."""
     if DTensor is not None and isinstance(obj, DTensor):
-        yield from _slab_tensors(obj._local_tensor, path)
+        yield from _slab_tensors(obj._local_tensor, path, group)
     elif ShardedTensor is not None and isinstance(obj, ShardedTensor):
         for i, shard in enumerate(obj.local_shards()):
-            yield from _slab_tensors(shard.tensor, f"{path}[shard {i}]")
+            yield from _slab_tensors(shard.tensor, f"{path}[shard {i}]", id(obj))
     elif isinstance(obj, torch.Tensor):
         if is_plain_dense(obj):
-            yield obj, path
+            yield obj, path, group
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
             yield from _slab_tensors(value, f"{path}.{key}" if path else str(key))
@@ -141,16 +143,45 @@ def _staged_dtensor(local: torch.Tensor, spec: Any) -> Any:
     return wrapper
 
 
+def _staged_sharded_tensor(live: Any, tensors: list[torch.Tensor]) -> Any:
+    """A ShardedTensor like ``live`` whose local shards are ``tensors`` (staged copies, in the order
+    of ``live.local_shards()``), with metadata that describes them: each local shard placed on its
+    staged tensor's device, the other ranks' shards on the CPU where they were on a device (every
+    rank stages into host memory, as stock's ``ShardedTensor.cpu()`` records it), and
+    ``pin_memory`` as the staged tensors are (a pinned slab under CUDA). ShardedTensor checks each
+    local shard against that metadata, so the live metadata (device placements, unpinned) does not
+    fit staged shards. Precondition: the staged tensors are all pinned or all not (staging keeps a
+    ShardedTensor's local shards together, see :func:`_fits`)."""
+    metadata = copy.deepcopy(live.metadata())
+    local = [shard.metadata for shard in live.local_shards()]
+    shards = []
+    for shard_metadata, tensor in zip(local, tensors):
+        staged_metadata = copy.deepcopy(shard_metadata)
+        staged_metadata.placement._device = tensor.device
+        shards.append(_Shard(tensor, staged_metadata))
+    for shard_metadata in metadata.shards_metadata:
+        mine = next((i for i, m in enumerate(local) if m == shard_metadata), None)
+        if mine is not None:
+            shard_metadata.placement._device = tensors[mine].device
+        elif shard_metadata.placement.device().type != "cpu":
+            shard_metadata.placement._device = torch.device("cpu")
+    pinned = {bool(t.is_pinned()) for t in tensors}
+    if len(pinned) > 1:
+        raise AssertionError("fastdcp: a staged ShardedTensor's local shards differ in pinned memory")
+    if pinned:
+        metadata.tensor_properties.pin_memory = pinned.pop()
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=live._process_group
+    )
+
+
 def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
     """``obj`` with every slab tensor replaced by the next of ``staged`` (same traversal order as
     :func:`_slab_tensors`), other tensors copied to the CPU, other values deep-copied."""
     if DTensor is not None and isinstance(obj, DTensor):
         return _staged_dtensor(_rebuild(obj._local_tensor, staged), obj._spec)
     if ShardedTensor is not None and isinstance(obj, ShardedTensor):
-        shards = [_Shard(_rebuild(s.tensor, staged), s.metadata) for s in obj.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, obj.metadata(), process_group=obj._process_group
-        )
+        return _staged_sharded_tensor(obj, [_rebuild(s.tensor, staged) for s in obj.local_shards()])
     if isinstance(obj, torch.Tensor):
         if is_plain_dense(obj):  # into the slab; anything else gets its own CPU copy
             return next(staged)
@@ -237,19 +268,29 @@ class _Stage:
         return self.lease.in_use or (self.session is not None and not self.session.future.done())
 
 
-def _fits(sources: list[torch.Tensor], is_guarded: list[bool], budget: int | None) -> list[bool]:
+def _fits(sources: list[torch.Tensor], is_guarded: list[bool], budget: int | None,
+          groups: list[int | None] | None = None) -> list[bool]:
     """Which sources go into the slab: in traversal order while the slab stays within ``budget``
-    (every one without a budget); guarded buffers always (they are small and change in forward)."""
+    (every one without a budget); guarded buffers always (they are small and change in forward).
+    Sources of one group (``groups``: the local shards of one ShardedTensor, which records one
+    ``pin_memory`` for all of them) go in together or not at all."""
     if budget is None:
         return [True] * len(sources)
-    fits, used = [], 0
-    for t, guarded in zip(sources, is_guarded):
-        size = t.numel() * t.element_size()
-        end = _place(used, size) + size
-        keep = end <= budget or guarded
+    groups = groups if groups is not None else [None] * len(sources)
+    fits, used, i = [], 0, 0
+    while i < len(sources):
+        j = i + 1
+        while groups[i] is not None and j < len(sources) and groups[j] == groups[i]:
+            j += 1
+        end = used
+        for t in sources[i:j]:
+            size = t.numel() * t.element_size()
+            end = _place(end, size) + size
+        keep = end <= budget or any(is_guarded[i:j])
         if keep:
             used = end
-        fits.append(keep)
+        fits.extend([keep] * (j - i))
+        i = j
     return fits
 
 
@@ -326,8 +367,8 @@ class StateDictStager:
         the writer passes one with a thread per CPU of this rank); without it, ``copy_``."""
         t0 = time.perf_counter()
         found = list(_slab_tensors(state_dict))
-        sources = [tensor for tensor, _ in found]
-        paths = [path for _, path in found]
+        sources = [tensor for tensor, _, _ in found]
+        paths = [path for _, path, _ in found]
         lease, views = self._lease_views(sources)
         try:
             with torch.no_grad():
@@ -352,11 +393,11 @@ class StateDictStager:
         beyond it are streamed by the save from live memory."""
         t0 = time.perf_counter()
         found = list(_slab_tensors(state_dict))
-        sources = [tensor.detach() for tensor, _ in found]
-        paths = [path for _, path in found]
+        sources = [tensor.detach() for tensor, _, _ in found]
+        paths = [path for _, path, _ in found]
         keys = [storage_key(s) for s in sources]
         is_guarded = [key in guarded for key in keys] if guarded else [False] * len(sources)
-        fits = _fits(sources, is_guarded, budget)
+        fits = _fits(sources, is_guarded, budget, [group for _, _, group in found])
         lease, views = self._lease_views([s for s, keep in zip(sources, fits) if keep])
         try:
             with torch.no_grad():
