@@ -54,11 +54,20 @@ def pytest_runtest_logreport(report):
     happens (under pytest-xdist, by the controlling process): a run cut off by a time limit, as a
     lent GPU machine's is, still says why what failed failed (xdist prints tracebacks only at the
     end)."""
+    _log_failure(report, report.when)
+
+
+def pytest_collectreport(report):
+    """A module that cannot even be collected (an import error) is logged the same way."""
+    _log_failure(report, "collect")
+
+
+def _log_failure(report, when: str) -> None:
     path = os.environ.get("FASTDCP_FAILURE_LOG")
-    if not path or not report.failed:
-        return
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # an xdist worker's reports reach the controlling process, which logs them
     with open(path, "a") as log:
-        log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+        log.write(f"=== {report.nodeid} ({when})\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(autouse=True)

@@ -36,6 +36,15 @@ steps by fixed shares, the state size chosen from the disk's measured write spee
 step fits its share (said in the ``machine`` record and the summary). The whole suite runs only
 where the budget leaves room for it.
 
+``--whole-suite`` makes the ``tests`` step run the entire suite instead (the GPU tests included),
+with ``pytest -n`` set from the cores (``--workers``), inside whatever the budget leaves: each
+failure's test id and traceback reach ``DIR/tests_all_failures.log`` the moment it happens, and
+each becomes a record of its own in ``results.jsonl`` (``test``: its id). A test that failed only
+because a package is not installed on that machine (``moto``, ``s3fs``, ``obstore``, ``zstandard``:
+the suite's servers and optional codecs) is recorded as ``skipped`` with ``missing`` naming the
+package, apart from the failures; the suite's own CI installs them and fails without them.
+``--steps tests --whole-suite`` is the whole suite alone (``machine``, ``build`` if asked, then it).
+
 ``--dry-run`` runs the same steps on the CPU with tiny sizes and no build (the CPU counterparts of
 the GPU scenarios), so the command is exercised by the test suite on machines without a GPU.
 
@@ -66,6 +75,13 @@ SHARES = {"save": 0.20, "async": 0.25, "train_loop": 0.17, "load": 0.16, "reshar
 MIN_STEP_S = 25.0
 SUITE_ESTIMATE_S = 400.0     # the whole suite with -n 8 on the H100 machine: 98% done at 339 s
 SUITE_WORKERS = 8
+# Packages the suite needs that a GPU machine may not have (docs/gpu.md says how to carry them):
+# a test failing only because one is missing is "not installed there", not a failure.
+OPTIONAL_PACKAGES = ("moto", "s3fs", "obstore", "zstandard", "boto3", "fsspec")
+_MISSING_PATTERNS = (
+    re.compile(r"No module named '([A-Za-z0-9_]+)"),
+    re.compile(r"(moto)'s server is not installed"),
+)
 GIB, MIB = 1 << 30, 1 << 20
 DEFAULT_SIZE = 8 * GIB
 DRY_SIZE = 8 * MIB
@@ -81,6 +97,8 @@ class AcceptanceConfig:
     dir: str | None = None            # parent of the disk target (default ./bench_out)
     workers: int = SUITE_WORKERS
     steps: list[str] = field(default_factory=lambda: list(STEPS))
+    whole_suite: bool = False          # the tests step runs the entire suite (see the docstring)
+    test_paths: list[str] = field(default_factory=lambda: ["tests"])
 
 
 class Budget:
@@ -372,6 +390,9 @@ class Acceptance:
 
     # ----------------------------------------------------------------- tests
     def tests(self) -> None:
+        if self.cfg.whole_suite:
+            self.whole_suite()
+            return
         rc, secs, tail = run_child([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
                                     "tests"], self._log_path("tests"),
                                    min(300.0, max(60.0, self.budget.left() * 0.3)))
@@ -407,6 +428,42 @@ class Acceptance:
                      what=f"pytest{' -n ' + str(self.cfg.workers) if has_xdist else ''} (not cuda): "
                           + ("timed out" if rc is None else _fmt_counts(counts)) + f" in {secs:.0f} s",
                      counts=counts, seconds=round(secs, 1), **({"tail": tail} if rc != 0 else {}))
+
+    def whole_suite(self) -> None:
+        """The entire suite (GPU tests included) with ``pytest -n workers``, inside the budget
+        left after the scenario steps still to run; one record per failure, as it was logged."""
+        scenario_need = MIN_STEP_S * len([s for s in SCENARIO_STEPS if s in self.cfg.steps])
+        has_xdist = subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True).returncode == 0
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+               "--continue-on-collection-errors", *self.cfg.test_paths]
+        if has_xdist and self.cfg.workers > 1:
+            cmd[3:3] = ["-n", str(self.cfg.workers)]
+        failure_log = os.path.join(self.cfg.out, "tests_all_failures.log")
+        open(failure_log, "w").close()
+        # tests/conftest.py appends each failure's id and traceback there as it happens
+        rc, secs, tail = run_child(cmd, os.path.join(self.cfg.out, "tests_all.log"),
+                                   self.budget.left() - scenario_need, {"FASTDCP_FAILURE_LOG": failure_log})
+        with open(failure_log, errors="replace") as f:
+            failures = parse_failure_log(f.read())
+        real = [f for f in failures if f["missing"] is None]
+        for failure in failures:
+            if failure["missing"] is None:
+                self._record("tests", "failed", suite="all", test=failure["test"], when=failure["when"],
+                             what=f"FAILED {failure['test']} ({failure['when']}): {failure['message']}")
+            else:
+                self.log.add("tests", "skipped", suite="all", test=failure["test"], missing=failure["missing"],
+                             what=f"not installed there: {failure['missing']} ({failure['test']})")
+        counts = _pytest_counts(tail)
+        missing = sorted({f["missing"] for f in failures if f["missing"]})
+        ok = rc is not None and not real and (rc == 0 or (missing and rc == 1))
+        what = (f"the whole suite (pytest{' -n ' + str(self.cfg.workers) if '-n' in cmd else ''}): "
+                + ("timed out, " if rc is None else "") + _fmt_counts(counts) + f" in {secs:.0f} s; "
+                + f"{len(real)} failed by name"
+                + (f", {len(failures) - len(real)} not installed there ({', '.join(missing)})" if missing else ""))
+        self._record("tests", "ok" if ok else "failed", suite="all", log="tests_all.log", what=what,
+                     counts=counts, seconds=round(secs, 1), failed_tests=[f["test"] for f in real],
+                     not_installed=[f["test"] for f in failures if f["missing"]],
+                     **({"tail": tail} if not ok else {}))
 
     # ----------------------------------------------------------------- scenarios
     def _bench_args(self, step: str) -> list[str]:
@@ -506,6 +563,29 @@ def _pytest_counts(tail: str) -> dict[str, int]:
     return counts
 
 
+def parse_failure_log(text: str) -> list[dict[str, Any]]:
+    """The failures in a ``FASTDCP_FAILURE_LOG`` file (``=== <test id> (<when>)`` then its
+    traceback), in order: ``test``, ``when``, ``message`` (the traceback's last line) and
+    ``missing``, the package in :data:`OPTIONAL_PACKAGES` whose absence made it fail (else None)."""
+    failures: list[dict[str, Any]] = []
+    for block in re.split(r"^=== ", text, flags=re.M)[1:]:
+        head, _, body = block.partition("\n")
+        m = re.fullmatch(r"(.*) \((setup|call|teardown|collect)\)", head.strip())
+        test, when = (m.group(1), m.group(2)) if m else (head.strip(), "")
+        lines = [ln for ln in body.strip().splitlines() if ln.strip()]
+        missing = None
+        for pattern in _MISSING_PATTERNS:
+            found = pattern.search(body)
+            if found and found.group(1) in OPTIONAL_PACKAGES:
+                missing = found.group(1)
+                break
+        if any(f["test"] == test and f["when"] == when for f in failures):
+            continue  # logged twice (a worker and its controller both logging)
+        failures.append({"test": test, "when": when, "message": lines[-1].strip()[:300] if lines else "",
+                         "missing": missing})
+    return failures
+
+
 def _fmt_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{v} {k}" for k, v in counts.items()) or "no summary line"
 
@@ -595,7 +675,11 @@ def config_from_args(argv: list[str]) -> AcceptanceConfig:
                    help="largest state size (default 8GiB; shrunk to fit the budget, said in the summary)")
     p.add_argument("--dir", help="parent directory of the disk target (default ./bench_out)")
     p.add_argument("--steps", help=f"comma list, a subset of {','.join(STEPS)} (default all; to rerun one part)")
-    p.add_argument("--workers", type=int, default=SUITE_WORKERS, help="pytest -n for the whole suite (default 8)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="pytest -n for the whole suite (default 8; with --whole-suite, the CPU count)")
+    p.add_argument("--whole-suite", action="store_true",
+                   help="the tests step runs the entire suite, each failure recorded by name as it happens")
+    p.add_argument("--tests", default="tests", help="with --whole-suite: comma list of test paths (default tests)")
     a = p.parse_args(argv)
     steps = list(STEPS)
     if a.steps:
@@ -607,8 +691,10 @@ def config_from_args(argv: list[str]) -> AcceptanceConfig:
             steps.insert(0, "machine")  # every run records where it ran
     if a.budget_s <= 0:
         p.error("--budget-s must be > 0")
+    workers = a.workers if a.workers is not None else (os.cpu_count() or SUITE_WORKERS) if a.whole_suite else SUITE_WORKERS
     return AcceptanceConfig(out=a.out, budget_s=a.budget_s, dry_run=a.dry_run, size=a.size, dir=a.dir,
-                            workers=a.workers, steps=steps)
+                            workers=workers, steps=steps, whole_suite=a.whole_suite,
+                            test_paths=[t.strip() for t in a.tests.split(",") if t.strip()])
 
 
 def main(argv: list[str] | None = None) -> int:

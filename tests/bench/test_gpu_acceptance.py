@@ -154,3 +154,81 @@ def test_starts_on_a_tree_whose_extension_is_not_built(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [(r["step"], r["status"]) for r in _records(out)] == [("machine", "ok")]
+
+
+_SUITE_CONFTEST = f'''
+import importlib.util
+_spec = importlib.util.spec_from_file_location("fastdcp_suite_conftest", {str(REPO / "tests" / "conftest.py")!r})
+_suite = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_suite)
+pytest_runtest_logreport = _suite.pytest_runtest_logreport
+pytest_collectreport = _suite.pytest_collectreport
+'''
+_SUITE_TESTS = '''
+def test_passes():
+    assert True
+
+def test_fails():
+    assert 1 + 1 == 3, "wrong sum"
+
+def test_needs_moto():
+    raise ModuleNotFoundError("No module named 'moto'")
+'''
+
+
+def _whole_suite(tmp_path, tests: dict[str, str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`gpu-acceptance --steps tests --whole-suite` over a small suite of `tests` (file -> source)
+    that logs failures through the real suite's conftest hooks."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(_SUITE_CONFTEST)
+    for name, source in tests.items():
+        (suite / name).write_text(source)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "fastdcp.bench", "gpu-acceptance", "--dry-run", "--out", str(out),
+                           "--steps", "tests", "--whole-suite", "--workers", "2", "--tests", str(suite),
+                           "--dir", str(tmp_path / "targets")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return proc, [r for r in _records(out) if r["step"] == "tests"]
+
+
+@pytest.mark.fastdcp_timeout(400)
+def test_whole_suite_records_each_failure_by_name_and_what_is_not_installed_apart(tmp_path):
+    """A real failure fails the step and is named; a test failing only for a missing optional
+    package (at run time or at import) is 'not installed there'; the failure log holds tracebacks."""
+    proc, records = _whole_suite(tmp_path, {
+        "test_some.py": _SUITE_TESTS,
+        "test_s3_module.py": "raise ModuleNotFoundError(\"No module named 's3fs'\")\n",
+    })
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = [r for r in records if r["status"] == "failed" and "test" in r]
+    assert [r["test"] for r in failed] == ["test_some.py::test_fails"], records
+    assert "== 3" in failed[0]["what"], failed  # the traceback's last line
+    absent = sorted((r["test"], r["missing"]) for r in records if r["status"] == "skipped" and "missing" in r)
+    assert absent == [("test_s3_module.py", "s3fs"), ("test_some.py::test_needs_moto", "moto")], records
+    summary = next(r for r in records if r.get("suite") == "all" and "test" not in r)
+    assert summary["status"] == "failed" and summary["failed_tests"] == ["test_some.py::test_fails"], summary
+    assert "1 failed by name, 2 not installed there (moto, s3fs)" in summary["what"], summary
+    log = (tmp_path / "out" / "tests_all_failures.log").read_text()
+    assert "=== test_some.py::test_fails (call)" in log and "assert 1 + 1 == 3" in log
+
+
+@pytest.mark.fastdcp_timeout(400)
+def test_whole_suite_with_only_missing_packages_passes(tmp_path):
+    proc, records = _whole_suite(tmp_path, {"test_some.py": _SUITE_TESTS.replace("3, \"wrong sum\"", "2")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = next(r for r in records if r.get("suite") == "all" and "test" not in r)
+    assert summary["status"] == "ok" and summary["not_installed"] == ["test_some.py::test_needs_moto"], summary
+
+
+def test_failure_log_parsing():
+    text = ("=== tests/a.py::test_x[1] (call)\nTraceback\nE   AssertionError: no\n\n"
+            "=== tests/b.py (collect)\nE   ModuleNotFoundError: No module named 'zstandard'\n\n"
+            "=== tests/c.py::test_y (setup)\nE   ModuleNotFoundError: No module named 'numpyy'\n\n")
+    assert A.parse_failure_log(text) == [
+        {"test": "tests/a.py::test_x[1]", "when": "call", "message": "E   AssertionError: no", "missing": None},
+        {"test": "tests/b.py", "when": "collect", "message": "E   ModuleNotFoundError: No module named 'zstandard'",
+         "missing": "zstandard"},
+        # a module that is not one of the optional packages is a real failure
+        {"test": "tests/c.py::test_y", "when": "setup", "message": "E   ModuleNotFoundError: No module named 'numpyy'",
+         "missing": None},
+    ]
