@@ -19,8 +19,10 @@ tables. For pieces whose destination lives on a GPU this module decides *how it 
 4. an event recorded after each host-to-device copy guards the pinned half: it is refilled only after
    ``event.synchronize()`` (never a device-wide synchronisation); the device staging buffer is reused
    in stream order (copy i+1 follows kernel i on the side stream) and lives until the load ends;
-5. at the end the destinations' current stream waits for the side stream, so ``commit_tensor`` and
-   whatever the caller does next run after the data is in place, without a host synchronisation.
+5. at the end the destinations' current stream waits for the side stream, and the host waits for
+   an event after the last batch (the earlier ones were waited for already): when the load
+   returns the bytes are on the device, so a consumer on any stream (another compute stream,
+   NCCL's) or the host reads them without a wait of its own, as after stock's load.
 
 At the start the side stream waits for the current stream, so pending work on the destinations (a
 ``zero_()`` just before the load, say) is ordered before the copies.
@@ -121,8 +123,8 @@ def _new_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 
 def place_on_gpu(pieces: list[Piece], half_budget: int, request_cost: int, stats: dict,
                  read: Callable[[list[tuple]], None]) -> None:
-    """Read and place every piece (CUDA destinations), leaving each destination device's current
-    stream ordered after the copies. ``read`` reads run tables as ``run_placements`` does."""
+    """Read and place every piece (CUDA destinations); returns once every copy is complete on the
+    device (any stream sees the bytes). ``read`` reads run tables as ``run_placements`` does."""
     by_device: dict[torch.device, list[Piece]] = defaultdict(list)
     for piece in pieces:
         by_device[piece.dest.device].append(piece)
@@ -226,8 +228,15 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
         stats["gpu_kernel_boxes"] += len(boxes)
         stats["gpu_fallback_copies"] += len(fallbacks)
 
-    # Everything queued on `current` from here on (commit_tensor, the caller's work) sees the data.
+    # Ready on any stream: the load returns once its last upload and kernel are complete, so that
+    # every stream (another compute stream, NCCL's) and the host see the loaded bytes, as after
+    # stock's load, with no wait of their own (docs/GUARANTEES.md). The halves were already
+    # waited for batch by batch: this waits for the last batch only. `current` is also ordered
+    # after the copies, for work queued on it before this returns.
     current.wait_stream(side)
+    finished = torch.cuda.Event()
+    finished.record(side)
+    finished.synchronize()
     # `pinned` is released to torch's pinned-memory cache, which reuses a block only after the
     # non_blocking copies recorded on it have completed; `device_staging` was allocated on `side`.
 

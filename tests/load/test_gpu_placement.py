@@ -208,6 +208,7 @@ class _FakeCuda:
         self.conversion_launches = 0
         self.synchronized = 0
         self.waits: list[tuple[str, str]] = []
+        self.ops: list[tuple] = []  # ("launch",), ("record", event id), ("sync", event id), in order
         fake = self
 
         class Stream:
@@ -221,9 +222,11 @@ class _FakeCuda:
         class Event:
             def record(self, stream=None):
                 assert stream is not None and stream.name == "side"
+                fake.ops.append(("record", id(self)))
 
             def synchronize(self):
                 fake.synchronized += 1
+                fake.ops.append(("sync", id(self)))
 
         self.Stream, self.Event = Stream, Event
         self.current = Stream(name="current")
@@ -261,6 +264,7 @@ class _FakeCuda:
         self.conversion_launches += bool(any_conversion)
         assert count == total
         self.launches += 1
+        self.ops.append(("launch",))
         self.engine.box_copy(tuples)
 
     def install(self, monkeypatch):
@@ -322,6 +326,15 @@ def test_simulated_pipeline_same_layout(tmp_path, monkeypatch, writer_kind):
     assert fake_cuda.launches == stats["gpu_batches"] >= 1
     # ordering: side waits for current first, current waits for side last
     assert fake_cuda.waits[0] == ("side", "current") and fake_cuda.waits[-1] == ("current", "side")
+    _assert_returns_after_the_last_copy(fake_cuda)
+
+
+def _assert_returns_after_the_last_copy(fake_cuda) -> None:
+    """Ready on any stream: the host waited for an event recorded on the side stream after the
+    last kernel launch (not only the current stream ordered after it)."""
+    last_launch = max(i for i, op in enumerate(fake_cuda.ops) if op[0] == "launch")
+    recorded_after = {op[1] for op in fake_cuda.ops[last_launch:] if op[0] == "record"}
+    assert fake_cuda.ops[-1][0] == "sync" and fake_cuda.ops[-1][1] in recorded_after, fake_cuda.ops[last_launch:]
 
 
 def _stored(seed):
@@ -383,7 +396,9 @@ def test_simulated_pipeline_many_batches_reuse_halves(tmp_path, fake_cuda):
         C.assert_tensor_bitexact(dest[k], v.bfloat16(), k)
     stats = reader.last_stats
     assert stats["gpu_batches"] > 2
-    assert fake_cuda.synchronized == stats["gpu_batches"] - 2  # each half waited for before reuse
+    # each half waited for before reuse, then the last batch before the load returns
+    assert fake_cuda.synchronized == stats["gpu_batches"] - 2 + 1
+    _assert_returns_after_the_last_copy(fake_cuda)
     assert len(fake_cuda.pinned) == 1 and fake_cuda.pinned[0].numel() <= budget  # allocated once
     assert len(fake_cuda.device) == 1
 
@@ -391,6 +406,25 @@ def test_simulated_pipeline_many_batches_reuse_halves(tmp_path, fake_cuda):
 # --------------------------------------------------------------------------------------------- #
 # real GPU loads
 # --------------------------------------------------------------------------------------------- #
+@needs_cuda
+def test_gpu_loaded_bytes_are_ready_on_another_stream(tmp_path):
+    """Ready on any stream (docs/GUARANTEES.md): once dcp.load returns, a kernel on another stream
+    reads the loaded bytes with no wait of its own. The current stream is kept busy before the
+    load (torch.cuda._sleep), so copies merely ordered after it would still be pending then."""
+    saved = {"w": torch.randn(1024, 1024), "b": torch.arange(4096, dtype=torch.int64)}
+    C.save(saved, C.make_writer("fast", tmp_path))
+    dest = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in saved.items()}
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time queued on the current stream
+    C.load(dest, FastFileSystemReader(tmp_path))
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        seen = {k: v.clone() for k, v in dest.items()}
+    other.synchronize()
+    for k, v in saved.items():
+        C.assert_tensor_bitexact(seen[k].cpu(), v, k)
+
+
 @needs_cuda
 @pytest.mark.parametrize("writer_kind", ["stock", "fast"])
 def test_gpu_same_layout(tmp_path, writer_kind):
