@@ -201,6 +201,17 @@ def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
     return copy.deepcopy(obj)
 
 
+def _is_device_source(tensor: torch.Tensor) -> bool:
+    """Whether a source is copied device-to-host on a side stream (a CUDA tensor). Tests replace
+    this and :func:`_new_copier` to drive the device branch with CPU tensors and a stand-in copier."""
+    return tensor.device.type == "cuda"
+
+
+def _new_copier() -> Any:
+    """The copier of device sources (see :class:`~fastdcp.save.device_ring.CudaCopier`)."""
+    return CudaCopier()
+
+
 def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], copier: CudaCopier | None = None) -> CudaCopier | None:
     """Copy each ``(view, source, path)``: host sources now with ``copy_``, device sources enqueued
     on ``copier``'s side streams (one per device, ordered after the current stream; created when
@@ -209,8 +220,8 @@ def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], co
     for view, source, path in copies:
         source = source.detach()
         try:
-            if source.device.type == "cuda":
-                copier = copier or CudaCopier()
+            if _is_device_source(source):
+                copier = copier or _new_copier()
                 copier.copy(view, source)
             else:
                 view.copy_(source)
@@ -300,7 +311,7 @@ def _split_copies(entries: list[tuple[torch.Tensor, torch.Tensor, str]]) -> tupl
     device_copies, host_copies, boxes = [], [], []
     for entry in entries:
         view, source, _ = entry
-        if source.device.type == "cuda":
+        if _is_device_source(source):
             device_copies.append(entry)
             continue
         box = _raw_box(view, source)
