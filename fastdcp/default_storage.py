@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
+from .compat.stock_stager import mend_default_stager
 from .io.engine import env_flag
 from .load.reader import FastFileSystemReader
 from .objstore.location import is_object_url
@@ -143,6 +144,7 @@ def enable() -> RestoreOnExit:
             hooks = _find_hooks()
             _install(hooks)
             _active = True
+        mend_default_stager()  # stock's DefaultStager, if the job passes one, works past its first save
         return RestoreOnExit(previously_enabled)
 
 

@@ -33,6 +33,10 @@ release of the CI matrix, see README "Supported torch releases"):
   :func:`tensor_properties_key`, which reads every field this release's class has.
 * Up to 2.9 stock plans a tensor's read items pair by pair in chunk order; since 2.11 by a sweep
   (fastdcp's order). The items are the same; tests compare them as a multiset on 2.9.
+* ``DefaultStager`` closes its ``StateDictStager`` after every stage in 2.11 and 2.12, so its
+  second stage fails (pytorch/pytorch#183413): :mod:`fastdcp.compat.stock_stager` asks stock's
+  class whether it does, and only then gives a closed one a successor before the next stage
+  (``fastdcp.enable()`` and ``FastFileSystemWriter`` install it).
 * Not a name but a behaviour: DCP ships a rank's failure to the coordinator by pickling it inside
   its next object collective (``_DistWrapper.reduce_scatter`` / ``all_gather``), which pickles
   before it communicates. :class:`fastdcp.load.deadline.LoadDeadlineError` refuses its first
@@ -143,6 +147,12 @@ INTERNALS: tuple[Internal, ...] = (
              "a shared-memory storage: staging slabs a process-mode save sends without a copy"),
     Internal("torch.cuda._pin_memory_utils", None, "io/host_memory",
              "page-locking a shared slab in place under CUDA (absent: slabs are not pinned in place)",
+             required=False),
+    Internal(_dcp("staging"), "DefaultStager._stage", "compat/stock_stager",
+             "stock's stager's stage, wrapped where it closes its StateDictStager after every stage "
+             "(2.11, 2.12: its second stage fails; absent: nothing to mend)", required=False),
+    Internal(_dcp("_state_dict_stager"), "StateDictStager", "compat/stock_stager",
+             "the StateDictStager a mended DefaultStager gets anew when the previous stage closed it",
              required=False),
     # -- loading ------------------------------------------------------------------------------
     Internal("torch.distributed.distributed_c10d", "_get_default_store", "load/deadline",

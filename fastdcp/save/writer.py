@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .. import _C
+from ..compat.stock_stager import mend_default_stager
 from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
 from ..format.table_metadata import TableMetadata, TableStorageData
@@ -165,6 +166,7 @@ class FastFileSystemWriter(FileSystemWriter):
         if unsupported:
             raise TypeError(f"this torch's FileSystemWriter does not support {unsupported}")
         super().__init__(path, **stock_kwargs)
+        mend_default_stager()  # stock's DefaultStager, if the job passes one, works past its first save
         # None: files per rank chosen by fastdcp.save.file_split (one per engine thread); stock's
         # ``self.thread_count`` then reads 1, its default.
         self.files_per_rank: int | None = thread_count
