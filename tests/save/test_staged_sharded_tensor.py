@@ -76,6 +76,8 @@ def _check_staged(writer, staged, rank: int, pinned: bool) -> None:
 def _rank_main(rank: int, root: str, pinned: bool) -> None:
     if pinned:
         os.environ["FASTDCP_TEST_FAKE_PINNED"] = "1"
+    else:  # whatever the suite runs under
+        os.environ.pop("FASTDCP_TEST_FAKE_PINNED", None)
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 

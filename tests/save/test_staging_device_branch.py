@@ -54,6 +54,8 @@ class StandInCopier:
 def pinned(request, monkeypatch):
     if request.param:
         monkeypatch.setenv("FASTDCP_TEST_FAKE_PINNED", "1")
+    else:  # whatever the suite runs under
+        monkeypatch.delenv("FASTDCP_TEST_FAKE_PINNED", raising=False)
     yield request.param
     fastdcp.release_staging()  # no slab of this mode is left for later tests
 
