@@ -17,38 +17,12 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_cases as C
 import fastdcp.save.writer as writer_module
+from stand_in_copier import DeferredCopier
 from fastdcp import FastFileSystemWriter, _C
 from fastdcp.save.device_ring import DeviceRing, cut_ranges, write_device_images
 from fastdcp.io.engine import DIRECT_ALIGN, IoOptions, get_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-class DeferredCopier:
-    """Copies happen only when waited for; every slot byte is poisoned when it is handed out."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self.tokens = 0
-        self.copies = 0
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.fill_(0xEE)  # what the slot holds until the "transfer" lands
-        self.pending.append((self.tokens, dst, src))
-
-    def record(self) -> int:
-        self.tokens += 1
-        return self.tokens - 1
-
-    def wait(self, token: int) -> None:
-        still = []
-        for t, dst, src in self.pending:
-            if t <= token:
-                dst.copy_(src)
-                self.copies += 1
-            else:
-                still.append((t, dst, src))
-        self.pending = still
 
 
 @pytest.fixture

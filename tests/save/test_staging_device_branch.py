@@ -15,39 +15,9 @@ import dcp_cases as C
 import fastdcp
 import fastdcp.save.staging as staging_module
 from fastdcp import FastFileSystemWriter
+from stand_in_copier import DeferredCopier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-class StandInCopier:
-    """Copies land only when waited for; until then the destination holds 0xEE bytes."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self.tokens = 0
-        self.copies = 0
-        self.ordered = 0  # order_current_streams_after calls (guarded device buffers)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.view(torch.uint8).fill_(0xEE) if dst.numel() else None
-        self.pending.append((self.tokens, dst, src.clone()))  # the source as it was when enqueued
-
-    def record(self) -> int:
-        self.tokens += 1
-        return self.tokens - 1
-
-    def wait(self, token: int) -> None:
-        still = []
-        for t, dst, src in self.pending:
-            if t <= token:
-                dst.copy_(src)
-                self.copies += 1
-            else:
-                still.append((t, dst, src))
-        self.pending = still
-
-    def order_current_streams_after(self) -> None:
-        self.ordered += 1
 
 
 @pytest.fixture(params=[False, True], ids=["unpinned", "fake-pinned"])
@@ -64,10 +34,10 @@ def pinned(request, monkeypatch):
 def device_tensors(monkeypatch):
     """Mark CPU tensors as device tensors (by storage); returns (mark, copiers)."""
     marked: set[int] = set()
-    copiers: list[StandInCopier] = []
+    copiers: list[DeferredCopier] = []
 
     def new_copier():
-        copiers.append(StandInCopier())
+        copiers.append(DeferredCopier())
         return copiers[-1]
 
     monkeypatch.setattr(staging_module, "_is_device_source",
