@@ -165,7 +165,7 @@ def _staged_sharded_tensor(live: Any, tensors: list[torch.Tensor]) -> Any:
             shard_metadata.placement._device = tensors[mine].device
         elif shard_metadata.placement.device().type != "cpu":
             shard_metadata.placement._device = torch.device("cpu")
-    pinned = {bool(t.is_pinned()) for t in tensors}
+    pinned = {bool(t.is_pinned()) for t in tensors if t.numel()}  # an empty shard has no memory to ask
     if len(pinned) > 1:
         raise AssertionError("fastdcp: a staged ShardedTensor's local shards differ in pinned memory")
     if pinned:
