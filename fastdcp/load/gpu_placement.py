@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from .. import _C
+from ..io.pinned_pool import PinnedLease, lease_pinned
 from .pieces import MAX_BOX_DIMS, RAW, STAGING_ALIGN, Piece, split_to_budget, staged_read_table
 
 __all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES"]
@@ -113,8 +114,10 @@ def _batch_bytes(data_bytes: int, num_boxes: int) -> int:
     return _align(data_bytes) + num_boxes * BOX_BYTES + (num_boxes + 1) * 8
 
 
-def _new_pinned(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def _new_pinned(nbytes: int) -> PinnedLease:
+    """Pinned staging for one load, leased from the process-wide pool (``fastdcp.io.pinned_pool``):
+    later loads, and the save ring, reuse it without pinning again."""
+    return lease_pinned(nbytes)
 
 
 def _new_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -162,12 +165,27 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(current)  # pending work on the destinations comes first
-    pinned = _new_pinned(largest * halves)
+    lease = _new_pinned(largest * halves)
+    try:
+        _run_batches(device, len(work), batches, halves, largest, lease.tensor[: largest * halves], side, current,
+                     stats, read, request_cost)
+    except BaseException:
+        side.synchronize()  # no copy may still read the buffer when it goes back to the pool
+        lease.release()
+        raise
+    lease.release()
+
+
+def _run_batches(device: torch.device, pieces: int, batches: list, halves: int, largest: int, pinned: torch.Tensor,
+                 side: "torch.cuda.Stream", current: "torch.cuda.Stream", stats: dict,
+                 read: Callable[[list[tuple]], None], request_cost: int) -> None:
+    """Steps 1-5 of the module docstring for ``batches``, through ``pinned`` (``halves`` halves of
+    ``largest`` bytes); returns once every copy and kernel of the load is complete."""
     with torch.cuda.stream(side):
         # Allocated on the side stream: the caching allocator reuses it only in that stream's order.
         device_staging = _new_device_buffer(largest, device)
     copied: list[torch.cuda.Event | None] = [None] * halves
-    stats["gpu_pieces"] = stats.get("gpu_pieces", 0) + len(work)
+    stats["gpu_pieces"] = stats.get("gpu_pieces", 0) + pieces
     stats["gpu_batches"] = stats.get("gpu_batches", 0) + len(batches)
     stats["gpu_staging_bytes"] = max(stats.get("gpu_staging_bytes", 0), pinned.numel())
     stats.setdefault("gpu_kernel_boxes", 0)
@@ -237,6 +255,6 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
     finished = torch.cuda.Event()
     finished.record(side)
     finished.synchronize()
-    # `pinned` is released to torch's pinned-memory cache, which reuses a block only after the
-    # non_blocking copies recorded on it have completed; `device_staging` was allocated on `side`.
+    # Every copy from `pinned` has completed: the caller gives it back to the pool.
+    # `device_staging` was allocated on `side`, so the caching allocator reuses it in stream order.
 

@@ -1,80 +1,41 @@
-"""Writing file images whose tensor bytes live on a GPU: device-to-host copies into a reused pinned
-ring, overlapped with the engine's (O_DIRECT) writes.
+"""Writing file images whose tensor bytes live on a device: device-to-host copies into a pinned
+ring, overlapped with the engine's (O_DIRECT) writes, several files at a time.
 
 A file image (see ``fastdcp.save.file_image``) is sorted host segments (blob headers, CPU tensor bytes) plus
-*device segments* (GPU tensor bytes at 4096-aligned file offsets). A file with device segments is
+*device segments* (device tensor bytes at 4096-aligned file offsets). A file with device segments is
 cut into aligned ranges of at most one ring slot; each slot mirrors its range (a byte at file
 offset ``o`` sits at ``slot + o - range.start``), so device bytes keep their 4096 alignment in host
-memory and the engine writes them without a bounce copy. For range ``k``:
+memory and the engine writes them without a bounce copy, headers included (they are host segments
+written from their own memory, beside the slot).
 
-1. its device pieces are copied into slot ``k % slots`` with ``non_blocking`` copies on a side
-   stream (which first waits for the work already queued on the tensors' current stream), and an
-   event is recorded;
-2. the writer thread writes range ``k - (slots - 1)`` as soon as that range's event fires, while
-   the copies of the ranges after it are still running.
+The ranges of all files are taken round-robin (range 0 of every file, then range 1, ...) and written
+in **batches** of up to ``batch`` ranges, one engine call per batch, so the engine's threads write
+that many files at once (tmpfs and buffered filesystems serialise the writers of one file). For
+batch ``b``:
 
-A slot is refilled only after the write of the range it held has returned (the writes run on the
-calling thread). Ranges without device bytes are written straight from their segments. The ring
-is the writer's memory budget for this: ``slots * slot_bytes`` bytes of pinned memory, allocated on
-first use and reused by every later save of the writer.
+1. the device pieces of its ranges are copied into free slots with asynchronous copies (a
+   :class:`~fastdcp.io.copy_engine.Copier`: on a GPU a side stream that first waits for the work
+   already queued on the tensors' current stream), and a token is recorded per range;
+2. the ranges after it are copied ahead into the slots still free;
+3. the host waits for the batch's tokens and writes the batch, while the copies ahead still run.
 
-The copier is an object with ``copy(dst, src)``, ``record() -> token`` and ``wait(token)``; the
-CUDA one is :class:`CudaCopier`. Tests drive the same pipeline with a CPU copier.
+A slot is refilled only after the write of the range it held has returned. Ranges without device
+bytes take no slot and wait for nothing. The ring is ``slots * slot_bytes`` bytes of pinned memory
+leased from the process-wide pool (``fastdcp.io.pinned_pool``) for one save, so a new writer object
+reuses the memory of the previous one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ..io.engine import DIRECT_ALIGN
-from ..io.host_memory import HostSlab, allocate_slab
+from ..io.copy_engine import Copier, CudaCopier
 
-__all__ = ["RangeJob", "cut_ranges", "CudaCopier", "DeviceRing", "write_device_images"]
-
-
-class Copier(Protocol):
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
-    def record(self) -> Any: ...
-    def wait(self, token: Any) -> None: ...
-
-
-class CudaCopier:
-    """Device-to-host copies on one side stream per device, ordered after the current streams."""
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = torch.cuda.Stream(device=src.device)
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            self._streams[src.device] = stream
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-
-    def record(self) -> list[torch.cuda.Event]:
-        events = []
-        for stream in self._streams.values():
-            event = torch.cuda.Event()
-            event.record(stream)
-            events.append(event)
-        return events
-
-    def order_current_streams_after(self) -> None:
-        """Make each device's current stream wait (on the device, not the host) for the copies
-        enqueued so far: kernels queued next cannot change what those copies read."""
-        for device, stream in self._streams.items():
-            event = torch.cuda.Event()
-            event.record(stream)
-            torch.cuda.current_stream(device).wait_event(event)
-
-    def wait(self, token: list[torch.cuda.Event]) -> None:
-        for event in token:
-            event.synchronize()
+__all__ = ["RangeJob", "cut_ranges", "CudaCopier", "DeviceRing", "write_device_images", "interleave"]
 
 
 @dataclass
@@ -143,51 +104,83 @@ def _end_of(segment: tuple) -> int:
 
 
 class DeviceRing:
-    """``slots`` pinned host slots of ``slot_bytes`` each, reused across saves."""
+    """``slots`` host slots of ``slot_bytes`` each over ``memory`` (flat uint8, at least
+    ``slots * slot_bytes`` bytes, page-aligned: a pinned buffer leased for one save)."""
 
-    def __init__(self, slot_bytes: int, slots: int) -> None:
+    def __init__(self, slot_bytes: int, slots: int, memory: torch.Tensor) -> None:
+        if slots < 1 or memory.numel() < slot_bytes * slots:
+            raise ValueError(f"a ring of {slots} slots of {slot_bytes} bytes needs that much memory, "
+                             f"got {memory.numel()} bytes")
         self.slot_bytes = slot_bytes
         self.slots = slots
-        self._slab: HostSlab | None = None
+        self.memory = memory
 
     def slot(self, index: int) -> torch.Tensor:
-        if self._slab is None:
-            self._slab = allocate_slab(self.slot_bytes * self.slots, prefer_shared=False)
         base = (index % self.slots) * self.slot_bytes
-        return self._slab.tensor[base : base + self.slot_bytes]
+        return self.memory[base : base + self.slot_bytes]
 
 
-def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob], ring: DeviceRing, copier: Copier) -> None:
-    """Write every range in order (see the module docstring), with copies up to ``slots - 1``
-    device ranges ahead of the write. A range without device pieces waits for nothing."""
+def interleave(ranges: list[RangeJob]) -> list[RangeJob]:
+    """``ranges`` round-robin by file: range 0 of every file (in order of first appearance), then
+    range 1, ...; each file's ranges keep their order."""
+    by_file: dict[int, list[RangeJob]] = {}
+    for job in ranges:
+        by_file.setdefault(job.file_index, []).append(job)
+    out: list[RangeJob] = []
+    queues = list(by_file.values())
+    depth = max((len(q) for q in queues), default=0)
+    for i in range(depth):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
+
+
+def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob], ring: DeviceRing, copier: Copier,
+                        batch: int = 1) -> None:
+    """Write every range (see the module docstring): ranges round-robin by file, ``batch`` ranges
+    per engine call, copies ahead into every free slot. Precondition: ``1 <= batch <= ring.slots``."""
+    if not 1 <= batch <= ring.slots:
+        raise ValueError(f"a batch of {batch} ranges needs 1..{ring.slots} slots")
+    order = interleave(ranges)
+    free = list(range(ring.slots))
+    slot_of: dict[int, int] = {}
     tokens: dict[int, Any] = {}
-    slots_of: dict[int, int] = {}
-    next_slot = 0
+    issued = 0
 
-    def issue(k: int) -> None:
-        nonlocal next_slot
-        job = ranges[k]
+    def issue(k: int) -> bool:
+        job = order[k]
         if not job.device:
-            return
-        slot = ring.slot(next_slot)
-        slots_of[k] = next_slot
-        next_slot += 1
+            return True
+        if not free:
+            return False
+        slot_index = free.pop(0)
+        slot = ring.slot(slot_index)
+        slot_of[k] = slot_index
         for offset, source in job.device:
             at = offset - job.start
             copier.copy(slot[at : at + source.numel()], source)
         tokens[k] = copier.record()
+        return True
 
-    issued = 0
-    for k, job in enumerate(ranges):
-        # Every slot holds a range not yet written (k and the ranges after it): a slot comes back
-        # only once the write of the range it held has returned (writes happen in order, below).
-        while issued < len(ranges) and (issued <= k or len(slots_of) < ring.slots):
-            issue(issued)
+    pos = 0
+    while pos < len(order):
+        end = min(pos + batch, len(order))
+        # This batch first (its slots are free: the previous batch gave them back), then ahead.
+        while issued < len(order) and issue(issued):
             issued += 1
-        segments = list(job.segments)
-        if job.device:
-            copier.wait(tokens.pop(k))
-            base = ring.slot(slots_of.pop(k)).data_ptr()
-            segments += [(offset, base + offset - job.start, source.numel()) for offset, source in job.device]
-            segments.sort(key=lambda s: s[0])
-        engine.write([(handles[job.file_index], job.start, job.end, segments)])
+        if issued < end:
+            raise AssertionError("fastdcp: the device ring has fewer free slots than a batch")
+        jobs = []
+        for k in range(pos, end):
+            job = order[k]
+            segments = list(job.segments)
+            if job.device:
+                copier.wait(tokens.pop(k))
+                base = ring.slot(slot_of[k]).data_ptr()
+                segments += [(offset, base + offset - job.start, source.numel()) for offset, source in job.device]
+                segments.sort(key=lambda s: s[0])
+            jobs.append((handles[job.file_index], job.start, job.end, segments))
+        engine.write(jobs)
+        for k in range(pos, end):
+            if k in slot_of:
+                free.append(slot_of.pop(k))
+        pos = end

@@ -47,7 +47,7 @@ import torch
 from ..format.blob import is_plain_dense
 from ..io.host_memory import PAGE, HostSlab
 from .async_staging import StagingFuture, StagingReport, StagingSession, storage_key
-from .device_ring import CudaCopier
+from ..io.copy_engine import Copier, DeviceCopier, is_device_tensor
 from .staging_pool import StagingLease, staging_pool
 
 try:
@@ -202,17 +202,18 @@ def _rebuild(obj: Any, staged: "iter[torch.Tensor]") -> Any:
 
 
 def _is_device_source(tensor: torch.Tensor) -> bool:
-    """Whether a source is copied device-to-host on a side stream (a CUDA tensor). Tests replace
-    this and :func:`_new_copier` to drive the device branch with CPU tensors and a stand-in copier."""
-    return tensor.device.type == "cuda"
+    """Whether a source is copied device-to-host by a copier (a CUDA or stand-in device tensor,
+    ``fastdcp.io.copy_engine``). Tests replace this and :func:`_new_copier` to drive the device
+    branch with any CPU tensors and a copier of their own."""
+    return is_device_tensor(tensor)
 
 
 def _new_copier() -> Any:
-    """The copier of device sources (see :class:`~fastdcp.save.device_ring.CudaCopier`)."""
-    return CudaCopier()
+    """The copier of device sources (:class:`~fastdcp.io.copy_engine.DeviceCopier`)."""
+    return DeviceCopier()
 
 
-def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], copier: CudaCopier | None = None) -> CudaCopier | None:
+def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], copier: Copier | None = None) -> Copier | None:
     """Copy each ``(view, source, path)``: host sources now with ``copy_``, device sources enqueued
     on ``copier``'s side streams (one per device, ordered after the current stream; created when
     first needed). Returns the copier (None: no device source); nothing waits for it here. A

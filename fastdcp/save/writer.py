@@ -53,7 +53,9 @@ from . import inflight
 from .commit import (CommittedMetadata, claim_token, commit_metadata, remove_partial_files, remove_unreferenced,
                      unused_prefix)
 from .crash_points import crash_point
-from .device_ring import CudaCopier, DeviceRing, cut_ranges, write_device_images
+from ..io.copy_engine import DeviceCopier, is_device_tensor
+from ..io.pinned_pool import lease_pinned
+from .device_ring import DeviceRing, cut_ranges, write_device_images
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
 from .file_split import split_into_files
 from .guard import guarded_storage_keys
@@ -68,19 +70,32 @@ except ImportError:  # pragma: no cover - older torch
 __all__ = ["FastFileSystemWriter"]
 
 _DEFAULT_RING_BYTES = 256 << 20
-_RING_SLOTS = 4
+_RING_SLOTS = 4  # the fewest slots of a ring: two batches of two files
+_MIN_SLOT_BYTES = 4 << 20  # a ring batches fewer files rather than use smaller slots
 _STOCK_INIT_PARAMS = frozenset(inspect.signature(FileSystemWriter.__init__).parameters)
 
 
 def _stays_on_device(tensor: torch.Tensor) -> bool:
     """Whether a tensor's bytes go to disk through the pinned ring (``fastdcp.save.device_ring``)
-    rather than from host memory. Tests replace this to drive the ring with CPU tensors."""
-    return tensor.device.type == "cuda"
+    rather than from host memory: device tensors (``fastdcp.io.copy_engine.is_device_tensor``).
+    Tests replace this to drive the ring with any CPU tensors."""
+    return is_device_tensor(tensor)
 
 
 def _make_copier() -> Any:
     """The device-to-host copier of the ring pipeline (tests replace it with a CPU one)."""
-    return CudaCopier()
+    return DeviceCopier()
+
+
+def ring_shape(budget: int, files: int, threads: int) -> tuple[int, int, int]:
+    """``(slot_bytes, slots, batch)`` of the ring for a save of ``files`` files with device bytes
+    written by ``threads`` engine threads within ``budget`` bytes: batches of up to ``threads``
+    files (fewer when slots would fall under 4 MiB), two batches of slots so one is copied while
+    the other is written, at least :data:`_RING_SLOTS` slots."""
+    batch = max(1, min(files, threads, budget // (2 * _MIN_SLOT_BYTES)))
+    slots = max(_RING_SLOTS, 2 * batch)
+    slot_bytes = max(DIRECT_ALIGN, budget // slots // DIRECT_ALIGN * DIRECT_ALIGN)
+    return slot_bytes, slots, min(batch, slots)
 
 
 class FastFileSystemWriter(FileSystemWriter):
@@ -108,7 +123,9 @@ class FastFileSystemWriter(FileSystemWriter):
             and ``python -m fastdcp verify``. Costs one extra pass over the data at memory speed.
             With checksums on, GPU tensors are copied to the host before writing (no ring).
         memory_budget_bytes: pinned host memory for writing GPU tensors (default 256 MiB): a ring
-            of 4 slots that device-to-host copies fill while the engine writes the previous slots.
+            of slots that device-to-host copies fill while the engine writes the previous slots,
+            several files at a time; leased from the process-wide pinned pool for each save
+            (``fastdcp.io.pinned_pool``, capped by ``FASTDCP_PINNED_POOL_BYTES``).
 
     ``dcp.async_save`` stages through :meth:`stage`, into a host slab (page-locked under CUDA) from
     the process-wide staging pool: every later save of the same state structure reuses it, through
@@ -183,7 +200,6 @@ class FastFileSystemWriter(FileSystemWriter):
                 f"memory_budget_bytes must be an int of at least {_RING_SLOTS * DIRECT_ALIGN}, got {memory_budget_bytes!r}"
             )
         self.memory_budget_bytes = ring_budget
-        self._ring: DeviceRing | None = None  # pinned ring for GPU tensors; created on first use, never pickled
         # How the last save wrote its files (fastdcp.io.write_mode): O_DIRECT or buffered, and why.
         self.last_write_mode: WriteMode | None = None
         env_checksums = env_flag("FASTDCP_CHECKSUMS")
@@ -214,7 +230,6 @@ class FastFileSystemWriter(FileSystemWriter):
         # memory; their views going away in this process frees the slab).
         state = self.__dict__.copy()
         state["_stager"] = None
-        state["_ring"] = None
         state["_staged_on_thread"] = None
         return state
 
@@ -475,17 +490,18 @@ class FastFileSystemWriter(FileSystemWriter):
                         pass  # the original error is the one to report
 
     def _write_through_ring(self, engine: "_C.Engine", handles: list["_C.File"], files: list[tuple[int, FilePlan]]) -> None:
-        """Write files holding GPU tensor bytes: device-to-host copies into the pinned ring,
-        overlapped with the writes of the slots before (``fastdcp.save.device_ring``)."""
-        slot_bytes = max(DIRECT_ALIGN, self.memory_budget_bytes // _RING_SLOTS // DIRECT_ALIGN * DIRECT_ALIGN)
-        if self._ring is None or self._ring.slot_bytes != slot_bytes:
-            self._ring = DeviceRing(slot_bytes, _RING_SLOTS)
+        """Write files holding device tensor bytes: device-to-host copies into a pinned ring leased
+        for this save, overlapped with the writes of the slots before, several files per engine
+        call (``fastdcp.save.device_ring``)."""
+        slot_bytes, slots, batch = ring_shape(self.memory_budget_bytes, len(files), self._write_threads())
         ranges = [
             job
             for index, f in files
             for job in cut_ranges(index, f.size, f.segments, f.device_segments, slot_bytes)
         ]
-        write_device_images(engine, handles, ranges, self._ring, _make_copier())
+        with lease_pinned(slot_bytes * slots) as lease:
+            ring = DeviceRing(slot_bytes, slots, lease.tensor)
+            write_device_images(engine, handles, ranges, ring, _make_copier(), batch=batch)
 
     # ----------------------------------------------------------------------------------------- #
     # Commit: atomic metadata swap, then cleanup.

@@ -219,6 +219,9 @@ class _FakeCuda:
             def wait_stream(self, other):
                 fake.waits.append((self.name, other.name))
 
+            def synchronize(self):
+                fake.ops.append(("stream-sync", self.name))
+
         class Event:
             def record(self, stream=None):
                 assert stream is not None and stream.name == "side"
@@ -232,9 +235,11 @@ class _FakeCuda:
         self.current = Stream(name="current")
 
     def new_pinned(self, nbytes):
+        """A pinned-pool lease (``fastdcp.io.pinned_pool``): its buffer poisoned, its release
+        recorded as an op (it must come after the host's last wait)."""
         t = torch.full((nbytes,), 0xEE, dtype=torch.uint8)
         self.pinned.append(t)
-        return t
+        return types.SimpleNamespace(tensor=t, release=lambda: self.ops.append(("release-pinned",)))
 
     def new_device_buffer(self, nbytes, device):
         t = torch.full((nbytes,), 0xDD, dtype=torch.uint8)
@@ -334,7 +339,11 @@ def _assert_returns_after_the_last_copy(fake_cuda) -> None:
     last kernel launch (not only the current stream ordered after it)."""
     last_launch = max(i for i, op in enumerate(fake_cuda.ops) if op[0] == "launch")
     recorded_after = {op[1] for op in fake_cuda.ops[last_launch:] if op[0] == "record"}
-    assert fake_cuda.ops[-1][0] == "sync" and fake_cuda.ops[-1][1] in recorded_after, fake_cuda.ops[last_launch:]
+    ops = [op for op in fake_cuda.ops if op[0] != "release-pinned"]
+    assert ops[-1][0] == "sync" and ops[-1][1] in recorded_after, fake_cuda.ops[last_launch:]
+    # The pinned buffer goes back to the pool once per device load, after that last wait.
+    releases = [i for i, op in enumerate(fake_cuda.ops) if op[0] == "release-pinned"]
+    assert releases and releases[-1] == len(fake_cuda.ops) - 1
 
 
 def _stored(seed):

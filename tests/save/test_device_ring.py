@@ -19,8 +19,10 @@ import dcp_cases as C
 import fastdcp.save.writer as writer_module
 from stand_in_copier import DeferredCopier
 from fastdcp import FastFileSystemWriter, _C
-from fastdcp.save.device_ring import DeviceRing, cut_ranges, write_device_images
+from fastdcp.save.device_ring import DeviceRing, cut_ranges, interleave, write_device_images
+from fastdcp.save.writer import ring_shape
 from fastdcp.io.engine import DIRECT_ALIGN, IoOptions, get_engine
+from fastdcp.io.pinned_pool import pinned_pool_stats, reset_pinned_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -89,12 +91,16 @@ def test_cut_ranges_partition_the_image(seed):
     assert bytes(rebuilt) == _image(size, segments, device)
 
 
+def _ring(slot_bytes: int, slots: int) -> DeviceRing:
+    return DeviceRing(slot_bytes, slots, torch.empty(slot_bytes * slots, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("slots", [1, 2, 4])
 def test_ring_writes_the_exact_image(tmp_path, direct, slots):
     rng = random.Random(slots * 10 + direct)
     segments, device, size = _random_image(rng, 400_000)
-    ring = DeviceRing(DIRECT_ALIGN * 3, slots)
+    ring = _ring(DIRECT_ALIGN * 3, slots)
     copier = DeferredCopier()
     engine = get_engine(IoOptions.resolve(direct_io=direct, default_direct_io=True, io_threads=4, task_bytes=None))
     handle = _C.File(str(tmp_path / "image"), "w", direct)
@@ -105,6 +111,71 @@ def test_ring_writes_the_exact_image(tmp_path, direct, slots):
         handle.close()
     assert (tmp_path / "image").read_bytes() == _image(size, segments, device)
     assert copier.copies > 0 and not copier.pending
+
+
+class _RecordingEngine:
+    """An engine that writes through the real one and records each call's (file, start) ranges."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.calls: list[list[tuple[int, int]]] = []
+
+    def write(self, jobs) -> None:
+        self.calls.append([(id(job[0]), job[1]) for job in jobs])
+        self.engine.write(jobs)
+
+
+@pytest.mark.parametrize("files", [1, 3, 5])
+@pytest.mark.parametrize("slots,batch", [(2, 1), (2, 2), (4, 2), (6, 3), (8, 4)])
+def test_ring_writes_several_files_per_engine_call(tmp_path, files, slots, batch):
+    """Ranges of different files go to the engine together (up to ``batch`` per call), each file's
+    bytes exact: a slot refilled before its range was written, or a range written before its copy
+    landed, would show as poisoned bytes (the deferred copier)."""
+    rng = random.Random(files * 100 + slots * 10 + batch)
+    images = [_random_image(rng, rng.choice([30_000, 120_000, 400_000])) for _ in range(files)]
+    ring = _ring(DIRECT_ALIGN * 4, slots)
+    copier = DeferredCopier()
+    engine = _RecordingEngine(get_engine(IoOptions.resolve(direct_io=False, default_direct_io=False, io_threads=4,
+                                                           task_bytes=None)))
+    handles = [_C.File(str(tmp_path / f"image{i}"), "w", False) for i in range(files)]
+    try:
+        ranges = [job for i, (segments, device, size) in enumerate(images)
+                  for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
+        write_device_images(engine, handles, ranges, ring, copier, batch=batch)
+        for handle, (_, _, size) in zip(handles, images):
+            handle.truncate(size)
+    finally:
+        for handle in handles:
+            handle.close()
+    for i, (segments, device, size) in enumerate(images):
+        assert (tmp_path / f"image{i}").read_bytes() == _image(size, segments, device)
+    assert not copier.pending
+    assert max(len(call) for call in engine.calls) == min(batch, len(ranges))
+    first = engine.calls[0]
+    assert len({f for f, _ in first}) == min(batch, files), "the first call writes a range of each of several files"
+    assert sum(len(call) for call in engine.calls) == len(ranges)
+
+
+def test_interleave_takes_files_round_robin():
+    from fastdcp.save.device_ring import RangeJob
+
+    jobs = [RangeJob(f, start, start + 1) for f, n in ((0, 3), (1, 1), (2, 2)) for start in range(n)]
+    assert [(j.file_index, j.start) for j in interleave(jobs)] == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
+
+
+def test_a_batch_larger_than_the_ring_is_refused():
+    with pytest.raises(ValueError, match="batch"):
+        write_device_images(None, [], [], _ring(DIRECT_ALIGN, 2), DeferredCopier(), batch=3)
+
+
+@pytest.mark.parametrize("budget,files,threads", [(256 << 20, 8, 8), (256 << 20, 1, 8), (256 << 20, 16, 4),
+                                                  (16 * DIRECT_ALIGN, 8, 8), (32 << 20, 8, 8)])
+def test_ring_shape_fits_the_budget(budget, files, threads):
+    slot_bytes, slots, batch = ring_shape(budget, files, threads)
+    assert slot_bytes % DIRECT_ALIGN == 0 and slot_bytes * slots <= max(budget, slots * DIRECT_ALIGN)
+    assert 1 <= batch <= min(files, threads) and 2 * batch <= slots
+    if budget >= (256 << 20):
+        assert batch == min(files, threads), "the default budget writes a file per thread at once"
 
 
 def _zoo():
@@ -125,13 +196,18 @@ def test_save_through_the_ring_is_stock_readable(tmp_path, cpu_as_device, budget
         C.load_in_place_and_check(C.make_reader(reader, tmp_path), expected, C.destination_for(expected))
 
 
-def test_ring_is_reused_across_saves(tmp_path, cpu_as_device):
-    writer = FastFileSystemWriter(tmp_path / "a", memory_budget_bytes=1 << 20)
+def test_ring_memory_is_reused_by_new_writers(tmp_path, cpu_as_device):
+    """The ring's pinned memory comes from the process-wide pool: a new writer object per save (the
+    usual training-loop pattern) reuses it instead of pinning again."""
+    reset_pinned_pool()
     sd = _zoo()
-    dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / "a", no_dist=True)
-    slab = writer._ring._slab
-    dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / "b", no_dist=True)
-    assert writer._ring._slab is slab
+    dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path / "a", memory_budget_bytes=1 << 20), no_dist=True)
+    first = pinned_pool_stats()
+    assert first.buffers_allocated == 1 and first.bytes_leased == 0 and first.bytes_held > 0
+    for name in ("b", "c"):
+        dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path / name, memory_budget_bytes=1 << 20), no_dist=True)
+    after = pinned_pool_stats()
+    assert after.buffers_allocated == 1 and after.buffers_reused == 2 and after.bytes_held == first.bytes_held
 
 
 def test_checksums_bypass_the_ring(tmp_path, cpu_as_device):
@@ -155,7 +231,10 @@ def test_cuda_tensors_saved_through_the_ring(tmp_path, budget):
     expected = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
     writer = FastFileSystemWriter(tmp_path, memory_budget_bytes=budget)
     dcp.save(sd, storage_writer=writer, no_dist=True)
-    assert writer._ring is not None and writer._ring._slab.pinned
+    from fastdcp.io import pinned_pool
+
+    assert pinned_pool_stats().buffers_allocated >= 1
+    assert all(slab.pinned for slab in pinned_pool._POOL._idle)
     C.load_in_place_and_check(C.make_reader("stock", tmp_path), expected, C.destination_for(expected))
 
 

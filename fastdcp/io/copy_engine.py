@@ -1,0 +1,234 @@
+"""Copies between device memory and host memory, and which tensors count as device memory.
+
+Every path that moves GPU tensor bytes (the save ring, async staging's device copies) uses a
+:class:`Copier`: ``copy(dst, src)`` enqueues an asynchronous copy, ``record()`` returns a token for
+the copies enqueued so far, ``wait(token)`` blocks the host until they have landed, and
+``order_current_streams_after()`` keeps work queued next on the device from changing what the
+copies read. Two engines implement it:
+
+* :class:`CudaCopier`: ``non_blocking`` copies on one side stream per device, ordered after the
+  device's current stream; tokens are CUDA events.
+* :class:`StandInCopier`: the **stand-in device** for machines without a GPU. A copy is a memcpy run
+  by one copy thread of its own (as a DMA engine runs beside the host), in order; tokens are
+  events set by that thread. ``order_current_streams_after()`` waits for the copies so far (the host
+  has no stream to order).
+
+**Stand-in device tensors.** :func:`to_standin_device` copies a CPU tensor into memory registered as
+stand-in device memory; :func:`is_device_tensor` is true for CUDA tensors and for those, so the
+device branches (the ring, staging's device copies) run on a CPU machine exactly as they run on a
+GPU, with the copies on the stand-in's own thread. Nothing else treats them differently: they are
+ordinary CPU tensors to torch and to DCP. The benchmark's ``--device cpu-standin`` and the tests use
+them; without them every CPU tensor takes the host paths.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Copier", "CudaCopier", "StandInCopier", "DeviceCopier", "is_device_tensor", "to_standin_device",
+           "is_standin_device_tensor"]
+
+
+class Copier(Protocol):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def record(self) -> Any: ...
+    def wait(self, token: Any) -> None: ...
+    def order_current_streams_after(self) -> None: ...
+
+
+# -- stand-in device memory ------------------------------------------------------------------ #
+
+_standin_lock = threading.Lock()
+_standin_ranges: dict[int, int] = {}  # storage start -> end of stand-in device memory
+
+
+def _forget_standin_after_fork() -> None:
+    global _standin_lock
+    _standin_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_standin_after_fork)
+
+
+def to_standin_device(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of CPU ``tensor`` in stand-in device memory (see the module docstring): a fresh
+    contiguous CPU tensor that :func:`is_device_tensor` reports as device memory for as long as
+    it lives. Precondition: ``tensor`` is a dense CPU tensor."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        raise ValueError(f"a stand-in device tensor is made from a dense CPU tensor, not {tensor.device} "
+                         f"{tensor.layout}")
+    copy = tensor.detach().clone(memory_format=torch.contiguous_format)
+    storage = copy.untyped_storage()
+    start, nbytes = storage.data_ptr(), storage.nbytes()
+    if nbytes:
+        with _standin_lock:
+            _standin_ranges[start] = start + nbytes
+        weakref.finalize(storage, _standin_ranges.pop, start, None)
+        # The finalizer is on this storage object; keep it alive as long as the tensor is.
+        copy._fastdcp_standin_storage = storage  # type: ignore[attr-defined]
+    return copy
+
+
+def is_standin_device_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes lie in stand-in device memory (:func:`to_standin_device`)."""
+    if not _standin_ranges or tensor.device.type != "cpu":
+        return False
+    try:
+        ptr = tensor.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return any(start <= ptr < end for start, end in list(_standin_ranges.items()))
+
+
+def is_device_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes live on a device (a CUDA tensor, or a stand-in device tensor):
+    saves move them to the host through a :class:`Copier`."""
+    return tensor.device.type == "cuda" or is_standin_device_tensor(tensor)
+
+
+# -- the engines ------------------------------------------------------------------------------ #
+
+
+class CudaCopier:
+    """Device-to-host copies on one side stream per device, ordered after the current streams."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        stream = self._streams.get(src.device)
+        if stream is None:
+            stream = torch.cuda.Stream(device=src.device)
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            self._streams[src.device] = stream
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self) -> list[torch.cuda.Event]:
+        events = []
+        for stream in self._streams.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return events
+
+    def order_current_streams_after(self) -> None:
+        """Make each device's current stream wait (on the device, not the host) for the copies
+        enqueued so far: kernels queued next cannot change what those copies read."""
+        for device, stream in self._streams.items():
+            event = torch.cuda.Event()
+            event.record(stream)
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def wait(self, token: list[torch.cuda.Event]) -> None:
+        for event in token:
+            event.synchronize()
+
+
+class StandInCopier:
+    """The stand-in device's copy engine: copies run in order on one thread of their own.
+
+    The thread starts with the first copy and ends when the copier is garbage (or :meth:`close`).
+    A copy that fails makes every later :meth:`wait` raise that error."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.copies = 0
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=_run_copies, args=(self._queue, weakref.ref(self)),
+                                            name="fastdcp-standin-copy", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._queue.put, None)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._start()
+        self.copies += 1
+        self._queue.put((dst, src))
+
+    def record(self) -> threading.Event:
+        self._start()
+        event = threading.Event()
+        self._queue.put(event)
+        return event
+
+    def order_current_streams_after(self) -> None:
+        """No stream to order on the host: wait for the copies so far instead."""
+        self.wait(self.record())
+
+    def wait(self, token: threading.Event) -> None:
+        token.wait()
+        if self._error is not None:
+            raise RuntimeError(f"fastdcp: a stand-in device copy failed: {self._error}") from self._error
+
+    def close(self) -> None:
+        """Stop the copy thread after the copies already enqueued."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+def _run_copies(work: queue.SimpleQueue, owner: "weakref.ref[StandInCopier]") -> None:
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        copier = owner()
+        if copier is not None and copier._error is not None:
+            continue  # after a failure, copies are skipped; waits raise the error
+        dst, src = item
+        try:
+            with torch.no_grad():
+                dst.copy_(src)
+        except BaseException as error:  # reported by the next wait
+            if copier is not None:
+                copier._error = error
+        del copier, dst, src, item
+
+
+class DeviceCopier:
+    """The copier for a mix of sources: CUDA sources through a :class:`CudaCopier`, stand-in
+    device sources through a :class:`StandInCopier`, each created on first use. Tokens are the
+    pair of the two engines' tokens."""
+
+    def __init__(self) -> None:
+        self._cuda: CudaCopier | None = None
+        self._standin: StandInCopier | None = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.device.type == "cuda":
+            self._cuda = self._cuda or CudaCopier()
+            self._cuda.copy(dst, src)
+        else:
+            self._standin = self._standin or StandInCopier()
+            self._standin.copy(dst, src)
+
+    def record(self) -> tuple[Any, Any]:
+        return (self._cuda.record() if self._cuda is not None else None,
+                self._standin.record() if self._standin is not None else None)
+
+    def order_current_streams_after(self) -> None:
+        if self._cuda is not None:
+            self._cuda.order_current_streams_after()
+        if self._standin is not None:
+            self._standin.order_current_streams_after()
+
+    def wait(self, token: tuple[Any, Any]) -> None:
+        cuda_token, standin_token = token
+        if cuda_token is not None:
+            self._cuda.wait(cuda_token)  # type: ignore[union-attr]
+        if standin_token is not None:
+            self._standin.wait(standin_token)  # type: ignore[union-attr]

@@ -1,0 +1,128 @@
+"""The copy engines (``fastdcp.io.copy_engine``) and the stand-in device: copies on a thread of
+their own, tokens that wait for exactly the copies before them, and stand-in device tensors taking
+the device paths of a real save (the ring, overlapped staging) with the result readable by stock."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_cases as C
+from fastdcp import FastFileSystemWriter
+from fastdcp.io import copy_engine
+from fastdcp.io.copy_engine import DeviceCopier, StandInCopier, is_device_tensor, to_standin_device
+from fastdcp.io.pinned_pool import pinned_pool_stats, reset_pinned_pool
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def test_standin_tensors_are_device_tensors_while_they_live():
+    host = torch.arange(1000, dtype=torch.float32)
+    dev = to_standin_device(host)
+    assert torch.equal(dev, host) and dev.data_ptr() != host.data_ptr()
+    assert is_device_tensor(dev) and is_device_tensor(dev[10:20]) and is_device_tensor(dev.view(10, 100))
+    assert not is_device_tensor(host) and not is_device_tensor(dev.clone())
+    ptr = dev.data_ptr()
+    del dev
+    gc.collect()
+    assert all(not start <= ptr < end for start, end in copy_engine._standin_ranges.items())
+
+
+def test_standin_device_refuses_what_is_not_a_dense_cpu_tensor():
+    with pytest.raises(ValueError, match="dense CPU tensor"):
+        to_standin_device(torch.zeros(3).to_sparse())
+
+
+def test_standin_copier_runs_copies_on_its_own_thread_in_order():
+    copier = StandInCopier()
+    src = [torch.full((1 << 16,), float(i)) for i in range(8)]
+    dst = torch.empty(1 << 16)  # every copy into the same buffer: the last one wins if in order
+    for s in src:
+        copier.copy(dst, s)
+    copier.wait(copier.record())
+    assert torch.equal(dst, src[-1]) and copier.copies == 8
+    assert copier._thread is not None and copier._thread is not threading.current_thread()
+    copier.close()
+    assert copier._thread is None
+
+
+def test_a_token_waits_for_the_copies_before_it_only():
+    copier = StandInCopier()
+    gate = threading.Event()
+    first_dst = torch.zeros(4)
+    copier.copy(first_dst, torch.ones(4))
+    early = copier.record()
+    # A copy that blocks the copy thread: the later token cannot fire before the gate opens.
+    copier._queue.put(_Blocker(gate))
+    late = copier.record()
+    copier.wait(early)
+    assert torch.equal(first_dst, torch.ones(4))
+    assert not late.is_set()
+    gate.set()
+    copier.wait(late)
+    copier.close()
+
+
+class _Blocker(threading.Event):
+    """Queued as a token: the copy thread 'sets' it, which here waits for a gate first."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self._gate = gate
+
+    def set(self) -> None:
+        self._gate.wait(10)
+        super().set()
+
+
+def test_a_failed_copy_is_raised_by_the_next_wait():
+    copier = StandInCopier()
+    copier.copy(torch.empty(3), torch.empty(4))  # shapes that do not broadcast
+    with pytest.raises(RuntimeError, match="stand-in device copy failed"):
+        copier.wait(copier.record())
+    copier.close()
+
+
+def test_device_copier_routes_cpu_sources_to_the_standin():
+    copier = DeviceCopier()
+    dst = torch.zeros(16)
+    copier.copy(dst, to_standin_device(torch.arange(16.0)))
+    copier.order_current_streams_after()  # the stand-in waits instead of ordering a stream
+    assert torch.equal(dst, torch.arange(16.0))
+    copier.wait(copier.record())
+
+
+def _standin_state(seed: int) -> dict:
+    sd = C.zoo_tensors(seed=seed, large=True)
+    return {k: (to_standin_device(v) if isinstance(v, torch.Tensor) and v.layout == torch.strided
+                and not v.is_conj() and not v.is_neg() else v) for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("thread_count", [None, 1, 3])
+def test_standin_device_state_is_saved_through_the_ring(tmp_path, thread_count):
+    reset_pinned_pool()
+    sd = _standin_state(5)
+    expected = C.deepcopy_state_dict(sd)
+    writer = FastFileSystemWriter(tmp_path, thread_count=thread_count, memory_budget_bytes=1 << 20)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    assert pinned_pool_stats().buffers_allocated == 1, "the ring leased its memory from the pinned pool"
+    assert pinned_pool_stats().bytes_leased == 0, "and gave it back"
+    for reader in ("stock", "fast"):
+        C.load_in_place_and_check(C.make_reader(reader, tmp_path), expected, C.destination_for(expected))
+
+
+def test_standin_device_state_async_save_overlapped(tmp_path, monkeypatch):
+    copies = []
+    real = StandInCopier.copy
+    monkeypatch.setattr(StandInCopier, "copy", lambda self, d, s: (copies.append(1), real(self, d, s))[1])
+    sd = _standin_state(6)
+    expected = C.deepcopy_state_dict(sd)
+    writer = FastFileSystemWriter(tmp_path, async_staging=True)
+    future = dcp.async_save(sd, storage_writer=writer, no_dist=True)
+    getattr(future, "upload_completion", future).result()
+    assert copies, "staging took the device branch"
+    C.load_in_place_and_check(C.make_reader("stock", tmp_path), expected, C.destination_for(expected))
