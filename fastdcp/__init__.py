@@ -65,6 +65,8 @@ if _C is not None:  # noqa: E402 - the public API, once the extension is there
     from .save.inflight import ConcurrentSaveError  # noqa: E402
     from .save.staging_pool import StagingPoolStats, release_staging, set_staging_pool_limit, staging_pool_stats  # noqa: E402
     from .save.writer import FastFileSystemWriter  # noqa: E402
+    from .save.warm_up import WarmUpReport, warm_up  # noqa: E402
+    from .io.pinned_pool import PinnedPoolStats, pinned_pool_stats, set_pinned_pool_limit  # noqa: E402
     from .objstore.client import ObjectAccessError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, S3Options  # noqa: E402
     from .objstore.reader import FastS3Reader  # noqa: E402
     from .objstore.writer import FastS3Writer  # noqa: E402
@@ -103,6 +105,11 @@ __all__ = [
     "release_staging",
     "staging_pool_stats",
     "StagingPoolStats",
+    "warm_up",
+    "WarmUpReport",
+    "set_pinned_pool_limit",
+    "pinned_pool_stats",
+    "PinnedPoolStats",
     "guard",
     "StagingGuard",
     "StagingFuture",

@@ -190,6 +190,15 @@ def summary_markdown(records: list[dict[str, Any]], dry_run: bool = False) -> st
                          f"{_num(r.get('fraction_of_limit'), '.0%')} | {_num(r.get('ratio_vs_stock'), '.2f')} | "
                          + (f"{r['ratio_to_baseline']:.2f}x {r.get('baseline')}" if r.get("ratio_to_baseline") else "")
                          + " |")
+    timed = [r for r in rows if r.get("phases")]
+    if timed:
+        lines += ["", "Where the time went (the median run's phases, `fastdcp.io.phases`; `outside`: the caller's "
+                  "time outside the storage layer):", "",
+                  "| step | case | where | system | seconds | phases |", "| --- | --- | --- | --- | ---: | --- |"]
+        for r in timed:
+            wall = r.get("seconds_median")
+            lines.append(f"| {r['step']} | {r.get('case', '')} | {r.get('where', '')} | {r.get('system', '')} | "
+                         f"{_num(wall, '.3f')} | {phases_text(r['phases'], wall)} |")
     loops = [r for r in records if "train" in r]
     if loops:
         lines += ["", "| train_loop device | system | loop s | slowdown | blocked ms (max) | in call ms (max) | staged ms | durable s |",
@@ -476,8 +485,11 @@ class Acceptance:
                   "256MiB" if gpu else "64MiB", "--repeats", "2" if gpu else "1"]
         pair = ["--systems", "stock,fastdcp"]
         per_step = {
-            "save": ["--scenarios", "gpu_save" if gpu else "save", "--size", str(s)],
-            "async": ["--scenarios", "gpu_async_new_writer" if gpu else "async_new_writer", "--size", str(quarter),
+            # The dry run saves through the stand-in device (fastdcp.io.copy_engine): the GPU's
+            # pipeline (ring, pinned pool, device staging) with a memcpy thread for the copy engine.
+            "save": ["--scenarios", "gpu_save", *([] if gpu else ["--device", "cpu-standin"]), "--size", str(s)],
+            "async": ["--scenarios", "gpu_async_new_writer", *([] if gpu else ["--device", "cpu-standin"]),
+                      "--size", str(quarter),
                       *pair, "--async-variants", "stock_zoc,fastdcp_overlap", "--async-modes",
                       "thread,process" if gpu else "thread", "--async-saves", "2", "--async-wheres", "dir"],
             "train_loop": ["--scenarios", "train_loop", "--size", str(quarter), *pair, "--train-devices",
@@ -514,7 +526,8 @@ class Acceptance:
                          config=r["config"], gibps=r["gibps"], seconds_median=r.get("seconds_median"),
                          limit=r.get("limit"), limit_gibps=r.get("limit_gibps"),
                          fraction_of_limit=r.get("fraction_of_limit"), ratio_vs_stock=r.get("ratio_vs_stock"),
-                         baseline=r.get("baseline"), ratio_to_baseline=r.get("ratio_to_baseline"))
+                         baseline=r.get("baseline"), ratio_to_baseline=r.get("ratio_to_baseline"),
+                         **({"phases": phases} if (phases := median_phases(r)) else {}))
         for row in doc.get("train_loop", []):
             self.log.add(step, "ok", case=f"{row.get('device')} {row.get('system')}", train=row)
         for target in evaluate_targets(step, doc):
@@ -601,6 +614,29 @@ def _limits_text(limits: dict[str, Any] | None) -> str:
     return ", ".join(parts) + " GiB/s"
 
 
+def median_phases(r: dict[str, Any]) -> dict[str, Any] | None:
+    """The phases (``fastdcp.io.phases``) of a result's median sample, or None when it has none."""
+    samples = (r.get("extra") or {}).get("phases") or []
+    seconds = r.get("seconds") or []
+    if not samples or len(samples) != len(seconds):
+        return None
+    order = sorted(range(len(seconds)), key=lambda i: seconds[i])
+    return samples[order[(len(order) - 1) // 2]]
+
+
+def phases_text(phases: dict[str, Any], wall: float | None) -> str:
+    """``write 62 ms, d2h_wait 10 ms, ...`` largest first, each with its share of ``wall``; the
+    background thread's phases after a ``|``."""
+    def part(items: dict[str, Any]) -> str:
+        rows = sorted(((k, v) for k, v in items.items() if isinstance(v, (int, float))), key=lambda kv: -kv[1])
+        return ", ".join(f"{k} {v * 1e3:.1f} ms" + (f" ({v / wall:.0%})" if wall else "") for k, v in rows)
+
+    text = part(phases)
+    if isinstance(phases.get("background"), dict):
+        text += " | background: " + part(phases["background"])
+    return text
+
+
 def _case(r: dict[str, Any]) -> str:
     return " ".join(str(v) for v in (r.get("config") or {}).values())
 
@@ -623,18 +659,24 @@ def evaluate_targets(step: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
                             "met": r["fraction_of_limit"] >= least})
 
     if step == "save":
-        fraction_targets(lambda r: f"sync save {r['where']}", 0.9)
+        # a save of device state to memory (tmpfs) at 60% of min(D2H, write), to disk at 85%
+        for where, least in (("shm", 0.6), ("dir", 0.85)):
+            fraction_targets(lambda r: f"sync save of device state {r['where']}", least,
+                             keep=lambda r, where=where: r["where"] == where)
     elif step == "async":
         for r in rows(system="fastdcp", phase="blocked"):
             if r.get("ratio_to_baseline") is not None and r["config"].get("run") != "1st":
-                out.append({"target": f"blocking async_save ({r['config'].get('mode')}, {r['config'].get('run')}) "
-                                      f"<= 1.1x the bare pinned D2H copy",
-                            "value": f"{r['ratio_to_baseline']:.2f}x", "met": r["ratio_to_baseline"] <= 1.1})
+                out.append({"target": f"blocking async_save ({r['config'].get('mode')}, {r['config'].get('run')}, "
+                                      f"new writer per save) <= 1.5x the bare copy",
+                            "value": f"{r['ratio_to_baseline']:.2f}x", "met": r["ratio_to_baseline"] <= 1.5})
         for r in rows(system="fastdcp_overlap", phase="blocked"):
             if r.get("seconds_median") is not None:
                 ms = r["seconds_median"] * 1e3
+                first = r["config"].get("run") == "1st"
+                limit_ms = 20.0 if first else 10.0
                 out.append({"target": f"overlapped staging ({r['config'].get('mode')}, {r['config'].get('run')}): "
-                                      f"<= 10 ms in the call", "value": f"{ms:.1f} ms", "met": ms <= 10.0})
+                                      f"<= {limit_ms:.0f} ms in the call", "value": f"{ms:.1f} ms",
+                            "met": ms <= limit_ms})
     elif step == "train_loop":
         loops = {(row["device"], row["system"]): row for row in doc.get("train_loop", [])}
         for (device, system), row in loops.items():
@@ -644,11 +686,18 @@ def evaluate_targets(step: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
             if mine is not None and stock is not None:
                 out.append({"target": f"training-loop slowdown ({device}) fastdcp_overlap <= stock_zoc",
                             "value": f"{mine:.1f}% vs {stock:.1f}%", "met": mine <= stock})
-    elif step in ("load", "reshard"):
-        fraction_targets(lambda r: f"load into GPU {_case(r)} {r['where']}", 0.9,
-                         keep=lambda r: (r.get("config") or {}).get("op", "load") == "load")
+    elif step == "load":
+        for cache, least in (("warm", 0.6), ("cold", 0.85)):
+            fraction_targets(lambda r: f"load into GPU {_case(r)} {r['where']}", least,
+                             keep=lambda r, cache=cache: (r.get("config") or {}).get("cache") == cache)
+    elif step == "reshard":
+        for r in rows(system="fastdcp"):
+            cfg = r.get("config") or {}
+            if cfg.get("op", "load") == "load" and cfg.get("cache") == "cold" and r.get("ratio_vs_stock"):
+                out.append({"target": f"cold resharded load {_case(r)} {r['where']} >= 1.3x stock",
+                            "value": f"{r['ratio_vs_stock']:.2f}x", "met": r["ratio_vs_stock"] >= 1.3})
     elif step == "kernel":
-        fraction_targets(lambda r: f"box copy {_case(r)} ({r['where']})", 0.8)
+        fraction_targets(lambda r: f"box copy {_case(r)} ({r['where']})", 0.85)
     return out
 
 

@@ -71,6 +71,7 @@ class BenchConfig:
     async_variants: list[str] = field(default_factory=list)   # + stock_zoc / fastdcp_overlap (systems.py)
     train_devices: list[str] | None = None  # train_loop: devices to run on (None: cpu, + cuda when there)
     reshard_device: str = "cpu"             # reshard: where the loading ranks' target tensors live
+    device: str = "cuda"                    # gpu_* scenarios: cuda, or cpu-standin (fastdcp.io.copy_engine)
     reshard_stages: list[str] = field(default_factory=lambda: ["ws2", "ws4"])
     reshard_size: int = 2 * GiB
     reshard_norms: int = 300                # replicated norm vectors in the reshard state
@@ -167,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-wheres", type=_csv, help="targets of the async scenarios (default dir,shm; quick dir)")
     p.add_argument("--train-devices", type=_csv,
                    help="train_loop and tiered: cpu and/or cuda (default cpu, and cuda when available)")
+    p.add_argument("--device", choices=("cuda", "cpu-standin"),
+                   help="the device of the gpu_save and gpu_async* scenarios: cuda (default; skipped without "
+                        "CUDA) or cpu-standin: CPU tensors in stand-in device memory, copied to the host by "
+                        "the stand-in copy engine (a memcpy on a thread of its own), so the device pipeline "
+                        "runs on a machine without a GPU; limits d2h/h2d are then the memcpy probe")
     p.add_argument("--reshard-device", choices=("cpu", "cuda"),
                    help="reshard: where the loading ranks' DTensors live (default cpu; cuda: one GPU "
                         "shared by the ranks when there is only one)")
@@ -304,6 +310,8 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.async_wheres = a.async_wheres
     if a.reshard_device:
         c.reshard_device = a.reshard_device
+    if a.device:
+        c.device = a.device
     if a.local_tier:
         c.local_tier = a.local_tier
     if a.reshard_stages:

@@ -28,6 +28,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from ..io.copy_engine import to_standin_device
+from ..io.phases import PhaseRecorder, recording
 from .config import BenchConfig, fmt_size
 from .floor import FLOOR, FLOOR_PLANNERS, NullStorageReader, NullStorageWriter
 from .limits import Limits, WriteSource
@@ -150,12 +152,27 @@ def timed_save(system: System, sd: dict[str, Any], path: str, planner: Any = Non
     os.sync()  # flush unrelated dirty pages (e.g. from the rmtree) outside the timed region
     gc.collect()
     writer = writer if writer is not None else system.make_writer(path)
-    t0 = time.perf_counter()
-    dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
-    elapsed = time.perf_counter() - t0
+    with recording() as recorder:
+        t0 = time.perf_counter()
+        dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
+        elapsed = time.perf_counter() - t0
     if mode_out is not None:
         mode_out["io_mode"] = io_mode_of(getattr(writer, "last_write_mode", None))
+        _record_phases(mode_out, recorder, elapsed)
     return elapsed
+
+
+def _record_phases(out: dict[str, Any], recorder: PhaseRecorder, elapsed: float) -> None:
+    """``out["phases"]``: the run's seconds per phase (``fastdcp.io.phases``) when the system's
+    storage recorded any (stock's records none: its time is all ``outside``)."""
+    phases = recorder.phases(elapsed)
+    if len(phases) > 1:
+        out["phases"] = phases
+
+
+def phases_extra(mode: dict[str, Any]) -> dict[str, Any]:
+    """The recorder extras of one timed run: its I/O mode and phases, where known."""
+    return {k: mode[k] for k in ("io_mode", "phases") if mode.get(k)}
 
 
 def timed_load(system: System, dest: dict[str, Any], path: str, sync_cuda: bool = False,
@@ -167,15 +184,17 @@ def timed_load(system: System, dest: dict[str, Any], path: str, sync_cuda: bool 
     if sync_cuda:
         torch.cuda.synchronize()
     reader = reader if reader is not None else system.make_reader(path)
-    t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=reader, planner=planner, no_dist=True)
-    if sync_cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
+    with recording() as recorder:
+        t0 = time.perf_counter()
+        dcp.load(dest, storage_reader=reader, planner=planner, no_dist=True)
+        if sync_cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
     if reader_stats is not None:
         reader_stats.update(getattr(reader, "last_stats", None) or {})
     if mode_out is not None:
         mode_out["io_mode"] = io_mode_of(getattr(reader, "last_read_mode", None))
+        _record_phases(mode_out, recorder, elapsed)
     return elapsed
 
 
@@ -327,7 +346,7 @@ def run_save(ctx: Context, wheres: list[str]) -> None:
                 dt = timed_save(system, src, path, ctx.planner(system, "save", f"save/{where}"), mode_out=mode)
                 ctx.recorder.add("save", where, system.name, {"fsync": True}, nbytes, dt,
                                  save_limit(where, tmpfs), system.description, file_bytes=dir_bytes(path),
-                                 **({"io_mode": mode["io_mode"]} if mode.get("io_mode") else {}))
+                                 **phases_extra(mode))
                 _log(ctx, "save", where, system.name, "fsync", rep, dt, nbytes)
                 if last:
                     finish_system(where, system, path)
@@ -403,8 +422,7 @@ def run_load(ctx: Context, wheres: list[str]) -> None:
                     if cache == "cold":
                         cfg["cold_method"] = ctx.cold_method
                     extra = {"reader_stats": reader_stats} if reader_stats else {}
-                    if mode.get("io_mode"):
-                        extra["io_mode"] = mode["io_mode"]
+                    extra.update(phases_extra(mode))
                     ctx.recorder.add("load", where, system.name, cfg, nbytes, dt,
                                      load_limit(where, tmpfs, cache), system.description, **extra)
                     _log(ctx, "load", where, system.name, f"{cache} ckpt={writer.name}", rep, dt, nbytes)
@@ -668,7 +686,7 @@ def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str,
     cuda = device == "cuda"
     spec, src_cpu, dest = ctx.main_state()
     nbytes = spec.tensor_bytes
-    src = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in src_cpu.items()} if cuda else src_cpu
+    src = {k: to_device(v, device) for k, v in src_cpu.items()} if device in ("cuda", STANDIN) else src_cpu
     canary_name = _canary_name(spec)
     canary = src[canary_name]
     canary_orig = canary.clone()
@@ -681,6 +699,8 @@ def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str,
     bare_descr = {"what": "copy_ of every tensor into preallocated " + ("pinned " if pin else "")
                           + "host tensors" + (" (non_blocking D2H + synchronize)" if cuda else "")}
     blocked_limit = "d2h" if cuda else "memcpy"
+    if device == STANDIN:
+        bare_descr["what"] += " (the stand-in device's tensors: a memcpy each)"
     standin = ctx.cfg.standin or any(s.standin for s in ctx.systems)
     systems = list(ctx.systems) + resolve_async_variants(ctx.cfg.async_variants, standin, ctx.notes)
     try:
@@ -705,8 +725,9 @@ def _run_async(ctx: Context, wheres: list[str], scenario: str, device: str,
         canary.copy_(canary_orig)
         if step_orig is not None:
             src["step"] = step_orig
-        if cuda:
+        if device != "cpu":
             del src, pairs
+        if cuda:
             torch.cuda.empty_cache()
 
 
@@ -759,24 +780,31 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, systems: li
                         if system.name not in stagers:
                             stagers[system.name] = system.make_stager()
                         call_kwargs["async_stager"] = stagers[system.name]
-                    t0 = time.perf_counter()
-                    writer = system.async_writer(path) if new_writer else writers[system.name]
-                    resp = dcp.async_save(src, checkpoint_id=path, storage_writer=writer, planner=planner,
-                                          **call_kwargs)
-                    t_call = time.perf_counter() - t0
-                    staging = getattr(resp, "staging_completion", None)  # AsyncSaveResponse (newer torch)
-                    if staging is not None:
-                        staging.result()
-                    t_staged = time.perf_counter() - t0
-                    # an overlapped system's caller is free once the call returns; here it waits for
-                    # staging first (what the guard or stock's protocol does in a loop)
-                    t_blocked = t_call if system.overlapped else t_staged
-                    # the caller modifies the state at once (the checkpoint must not see it)
-                    canary.view(torch.uint8).fill_(SCRIBBLE_BYTE)
-                    if step_orig is not None:
-                        src["step"] = -1
-                    getattr(resp, "upload_completion", resp).result()
-                    t_durable = time.perf_counter() - t0
+                    with recording() as recorder:
+                        t0 = time.perf_counter()
+                        writer = system.async_writer(path) if new_writer else writers[system.name]
+                        resp = dcp.async_save(src, checkpoint_id=path, storage_writer=writer, planner=planner,
+                                              **call_kwargs)
+                        t_call = time.perf_counter() - t0
+                        phases_call = recorder.phases(t_call)
+                        staging = getattr(resp, "staging_completion", None)  # AsyncSaveResponse (newer torch)
+                        if staging is not None:
+                            staging.result()
+                        t_staged = time.perf_counter() - t0
+                        phases_staged = recorder.phases(t_staged)
+                        # an overlapped system's caller is free once the call returns; here it waits for
+                        # staging first (what the guard or stock's protocol does in a loop)
+                        t_blocked = t_call if system.overlapped else t_staged
+                        # the caller modifies the state at once (the checkpoint must not see it)
+                        canary.view(torch.uint8).fill_(SCRIBBLE_BYTE)
+                        if step_orig is not None:
+                            src["step"] = -1
+                        getattr(resp, "upload_completion", resp).result()
+                        t_durable = time.perf_counter() - t0
+                    # Phases up to each point (spans of the background save still running at
+                    # `blocked` count from the point they end, in `durable`).
+                    phases_at = {"blocked": phases_call if system.overlapped else phases_staged,
+                                 "staged": phases_staged, "durable": recorder.phases(t_durable)}
                 except Exception as exc:
                     if mode != "process" and not system.overlapped:
                         raise
@@ -790,8 +818,9 @@ def _async_where(ctx: Context, scenario: str, where: str, mode: str, systems: li
                     phases.append(("staged", t_staged, blocked_limit))
                 phases.append(("durable", t_durable, durable_limit))
                 for phase, seconds, limit in phases:
+                    extra = {"phases": phases_at[phase]} if len(phases_at["durable"]) > 1 else {}
                     ctx.recorder.add(scenario, where, system.name, {**base, "phase": phase}, nbytes, seconds, limit,
-                                     system.description)
+                                     system.description, **extra)
                     _log(ctx, scenario, where, system.name, f"{mode} {run} {phase}", i, seconds, nbytes, saves)
                 scribble(dest)
                 dcp.load(dest, storage_reader=system.make_reader(path), no_dist=True)
@@ -859,47 +888,82 @@ def _first_save_child(system: str, mode: str, path: str, size: int, out: str,
 
 
 def run_gpu_async(ctx: Context, wheres: list[str]) -> None:
-    if not torch.cuda.is_available():
-        ctx.note("gpu_async skipped: CUDA is not available")
+    kind = device_kind(ctx)
+    if kind is None:
+        ctx.note("gpu_async skipped: CUDA is not available (--device cpu-standin runs it on the stand-in device)")
         return
-    _run_async(ctx, wheres, "gpu_async", "cuda")
+    _run_async(ctx, wheres, "gpu_async", kind)
 
 
 def run_gpu_async_new_writer(ctx: Context, wheres: list[str]) -> None:
-    if not torch.cuda.is_available():
-        ctx.note("gpu_async_new_writer skipped: CUDA is not available")
+    kind = device_kind(ctx)
+    if kind is None:
+        ctx.note("gpu_async_new_writer skipped: CUDA is not available (--device cpu-standin runs it on the "
+                 "stand-in device)")
         return
-    _run_async(ctx, wheres, "gpu_async_new_writer", "cuda", new_writer=True)
+    _run_async(ctx, wheres, "gpu_async_new_writer", kind, new_writer=True)
+
+
+STANDIN = "cpu-standin"
+
+
+def device_kind(ctx: Context) -> str | None:
+    """The device of the gpu_* scenarios: ``"cuda"``, ``"cpu-standin"`` (``--device cpu-standin``:
+    stand-in device tensors, see ``fastdcp.io.copy_engine``), or None (no CUDA: skipped)."""
+    if ctx.cfg.device == STANDIN:
+        return STANDIN
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def to_device(value: Any, kind: str) -> Any:
+    """``value`` on the scenario's device (tensors only)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.cuda() if kind == "cuda" else to_standin_device(value)
+
+
+def _sync(kind: str) -> None:
+    if kind == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_limit(kind: str, direction: str) -> str:
+    """The transfer limit of ``direction`` (``d2h``/``h2d``) on ``kind``: the probe of that copy on
+    a GPU; the memcpy probe on the stand-in (its copies are memcpys)."""
+    return direction if kind == "cuda" else "memcpy"
 
 
 def run_gpu_save(ctx: Context, wheres: list[str]) -> None:
-    if not torch.cuda.is_available():
-        ctx.note("gpu_save skipped: CUDA is not available")
+    kind = device_kind(ctx)
+    if kind is None:
+        ctx.note("gpu_save skipped: CUDA is not available (--device cpu-standin runs it on the stand-in device)")
         return
     spec, src, _ = ctx.main_state()
-    src_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in src.items()}
+    src_dev = {k: to_device(v, kind) for k, v in src.items()}
     nbytes = spec.tensor_bytes
     for where in wheres:
         # tmpfs too: a new file's pages are allocated and filled (save_limit says why)
-        limit = f"min(d2h,write:{where})"
+        limit = f"min({device_limit(kind, 'd2h')},write:{where})"
         for rep in range(ctx.cfg.repeats):
             for system in ctx.systems:
                 path = ctx.ckpt_dir(where, "gpu", system.name)
-                torch.cuda.synchronize()
-                dt = timed_save(system, src_gpu, path, ctx.planner(system, "save", f"gpu_save/{where}"))
-                ctx.recorder.add("gpu_save", where, system.name, {"device": "cuda"}, nbytes, dt, limit,
-                                 system.description)
-                _log(ctx, "gpu_save", where, system.name, "cuda", rep, dt, nbytes)
+                _sync(kind)
+                mode: dict[str, Any] = {}
+                dt = timed_save(system, src_dev, path, ctx.planner(system, "save", f"gpu_save/{where}"), mode_out=mode)
+                ctx.recorder.add("gpu_save", where, system.name, {"device": kind}, nbytes, dt, limit,
+                                 system.description, **phases_extra(mode))
+                _log(ctx, "gpu_save", where, system.name, kind, rep, dt, nbytes)
         for system in ctx.systems:
             verify_with_stock_reader(src, spec, ctx.ckpt_dir(where, "gpu", system.name),
                                      f"gpu_save/{where}/{system.name}")
-    del src_gpu
-    torch.cuda.empty_cache()
+    del src_dev
+    if kind == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_gpu_load(ctx: Context, wheres: list[str]) -> None:
-    if not torch.cuda.is_available():
-        ctx.note("gpu_load skipped: CUDA is not available")
+    if device_kind(ctx) != "cuda":
+        ctx.note("gpu_load skipped: it needs CUDA (loads into stand-in device tensors are CPU loads)")
         return
     spec, src, _ = ctx.main_state()
     dest = build_destination(spec, device="cuda")
@@ -917,11 +981,13 @@ def run_gpu_load(ctx: Context, wheres: list[str]) -> None:
                         make_cold(ctx.cold_method, path)
                     else:
                         warm_files(path)
+                    mode: dict[str, Any] = {}
                     dt = timed_load(system, dest, path, sync_cuda=True,
-                                    planner=ctx.planner(system, "load", f"gpu_load/{where}"))
+                                    planner=ctx.planner(system, "load", f"gpu_load/{where}"), mode_out=mode)
                     check(ctx, system, src, dest, f"gpu_load/{where}/{cache}")
                     ctx.recorder.add("gpu_load", where, system.name, {"device": "cuda", "cache": cache}, nbytes,
-                                     dt, f"min(h2d,{load_limit(where, tmpfs, cache)})", system.description)
+                                     dt, f"min(h2d,{load_limit(where, tmpfs, cache)})", system.description,
+                                     **phases_extra(mode))
                     _log(ctx, "gpu_load", where, system.name, f"cuda {cache}", rep, dt, nbytes)
     del dest
     torch.cuda.empty_cache()

@@ -45,7 +45,7 @@ class Copier(Protocol):
 # -- stand-in device memory ------------------------------------------------------------------ #
 
 _standin_lock = threading.Lock()
-_standin_ranges: dict[int, int] = {}  # storage start -> end of stand-in device memory
+_standin_storages: dict[int, int] = {}  # storage address -> bytes, of stand-in device memory
 
 
 def _forget_standin_after_fork() -> None:
@@ -58,8 +58,8 @@ os.register_at_fork(after_in_child=_forget_standin_after_fork)
 
 def to_standin_device(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of CPU ``tensor`` in stand-in device memory (see the module docstring): a fresh
-    contiguous CPU tensor that :func:`is_device_tensor` reports as device memory for as long as
-    it lives. Precondition: ``tensor`` is a dense CPU tensor."""
+    contiguous CPU tensor that :func:`is_device_tensor` reports, with every view of it, as device
+    memory for as long as the returned tensor lives. Precondition: ``tensor`` is a dense CPU tensor."""
     if tensor.device.type != "cpu" or tensor.layout != torch.strided:
         raise ValueError(f"a stand-in device tensor is made from a dense CPU tensor, not {tensor.device} "
                          f"{tensor.layout}")
@@ -68,22 +68,19 @@ def to_standin_device(tensor: torch.Tensor) -> torch.Tensor:
     start, nbytes = storage.data_ptr(), storage.nbytes()
     if nbytes:
         with _standin_lock:
-            _standin_ranges[start] = start + nbytes
-        weakref.finalize(storage, _standin_ranges.pop, start, None)
-        # The finalizer is on this storage object; keep it alive as long as the tensor is.
-        copy._fastdcp_standin_storage = storage  # type: ignore[attr-defined]
+            _standin_storages[start] = nbytes
+        weakref.finalize(copy, _standin_storages.pop, start, None)
     return copy
 
 
 def is_standin_device_tensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s bytes lie in stand-in device memory (:func:`to_standin_device`)."""
-    if not _standin_ranges or tensor.device.type != "cpu":
+    """Whether ``tensor``'s storage is stand-in device memory (:func:`to_standin_device`)."""
+    if not _standin_storages or tensor.device.type != "cpu":
         return False
     try:
-        ptr = tensor.data_ptr()
+        return tensor.untyped_storage().data_ptr() in _standin_storages
     except (RuntimeError, NotImplementedError):
         return False
-    return any(start <= ptr < end for start, end in list(_standin_ranges.items()))
 
 
 def is_device_tensor(tensor: torch.Tensor) -> bool:
@@ -134,18 +131,31 @@ class CudaCopier:
 class StandInCopier:
     """The stand-in device's copy engine: copies run in order on one thread of their own.
 
-    The thread starts with the first copy and ends when the copier is garbage (or :meth:`close`).
-    A copy that fails makes every later :meth:`wait` raise that error."""
+    The copies enqueued between two tokens go to the native engine's batched byte copy in one call
+    (on ``threads`` engine threads), as a device's copy engine takes a batch of transfers; copies
+    that are not plain contiguous byte copies run with ``copy_``. The thread starts with the first
+    copy and ends when the copier is garbage (or :meth:`close`). A copy that fails makes every later
+    :meth:`wait` raise that error.
 
-    def __init__(self) -> None:
+    Args:
+        threads: native engine threads for the batched copies (default: the copy threads of
+            ``fastdcp.io.engine.default_copy_threads``, at least 2).
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._threads = threads
         self.copies = 0
+        self.batches = 0
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=_run_copies, args=(self._queue, weakref.ref(self)),
+            from .engine import default_copy_threads
+
+            threads = self._threads or max(2, default_copy_threads())
+            self._thread = threading.Thread(target=_run_copies, args=(self._queue, weakref.ref(self), threads),
                                             name="fastdcp-standin-copy", daemon=True)
             self._thread.start()
             weakref.finalize(self, self._queue.put, None)
@@ -178,25 +188,111 @@ class StandInCopier:
             self._thread = None
 
 
-def _run_copies(work: queue.SimpleQueue, owner: "weakref.ref[StandInCopier]") -> None:
-    while True:
-        item = work.get()
-        if item is None:
-            return
-        if isinstance(item, threading.Event):
-            item.set()
-            continue
+def _byte_box(dst: torch.Tensor, src: torch.Tensor) -> tuple | None:
+    """A byte-copy descriptor of the native ``box_copy`` for ``dst.copy_(src)`` when both are
+    contiguous CPU tensors of one dtype and shape (else None)."""
+    if (src.device.type != "cpu" or dst.device.type != "cpu" or src.dtype != dst.dtype or src.shape != dst.shape
+            or not src.is_contiguous() or not dst.is_contiguous() or src.is_conj() or src.is_neg()):
+        return None
+    nbytes = src.numel() * src.element_size()
+    return (src.data_ptr(), dst.data_ptr(), -1, -1, 1, 1, [nbytes], [1], [1]) if nbytes else None
+
+
+def _run_copies(work: queue.SimpleQueue, owner: "weakref.ref[StandInCopier]", threads: int) -> None:
+    from .. import _C
+
+    engine = _C.Engine(threads, 8 << 20)
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    written = _Intervals()  # destinations of the pending copies: a batch runs them in any order
+
+    def flush() -> None:
         copier = owner()
-        if copier is not None and copier._error is not None:
-            continue  # after a failure, copies are skipped; waits raise the error
-        dst, src = item
+        failed = copier is not None and copier._error is not None
         try:
-            with torch.no_grad():
-                dst.copy_(src)
+            if not failed and pending:
+                boxes, others = [], []
+                for dst, src in pending:
+                    box = _byte_box(dst, src)
+                    if box is not None:
+                        boxes.append(box)
+                    else:
+                        others.append((dst, src))
+                if boxes:
+                    engine.box_copy(boxes, streaming=True)  # as a DMA write: no cache fill
+                with torch.no_grad():
+                    for dst, src in others:
+                        dst.copy_(src)
+                if copier is not None:
+                    copier.batches += 1
         except BaseException as error:  # reported by the next wait
             if copier is not None:
                 copier._error = error
-        del copier, dst, src, item
+        pending.clear()
+        written.clear()
+
+    while True:
+        item = work.get()
+        if item is None:
+            flush()
+            return
+        if isinstance(item, threading.Event):
+            flush()
+            item.set()
+            continue
+        dst, src = item
+        dst_span, src_span = _span(dst), _span(src)
+        if written.overlaps(dst_span) or written.overlaps(src_span):
+            flush()  # in order: this copy writes or reads what an earlier pending copy writes
+        pending.append(item)
+        written.add(dst_span)
+        del item, dst, src
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` that ``tensor``'s elements lie in (from its strides)."""
+    try:
+        start = tensor.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0, 1 << 64
+    if tensor.numel() == 0:
+        return start, start
+    if any(stride < 0 for stride in tensor.stride()):
+        return 0, 1 << 64
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return start, start + (last + 1) * tensor.element_size()
+
+
+class _Intervals:
+    """Disjoint-or-not byte intervals with an overlap test in O(log n) for the common case of
+    disjoint ones (sorted by start; the longest interval bounds the search)."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._longest = 0
+
+    def add(self, span: tuple[int, int]) -> None:
+        import bisect
+
+        i = bisect.bisect_left(self._starts, span[0])
+        self._starts.insert(i, span[0])
+        self._ends.insert(i, span[1])
+        self._longest = max(self._longest, span[1] - span[0])
+
+    def overlaps(self, span: tuple[int, int]) -> bool:
+        import bisect
+
+        lo, hi = span
+        # Any interval starting before `hi` and ending after `lo`: starts lie in (lo - longest, hi).
+        i = bisect.bisect_right(self._starts, lo - self._longest)
+        while i < len(self._starts) and self._starts[i] < hi:
+            if self._ends[i] > lo:
+                return True
+            i += 1
+        return False
 
 
 class DeviceCopier:

@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from .. import _C
+from ..io.phases import span
 from ..io.pinned_pool import PinnedLease, lease_pinned
 from .pieces import MAX_BOX_DIMS, RAW, STAGING_ALIGN, Piece, split_to_budget, staged_read_table
 
@@ -165,7 +166,8 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(current)  # pending work on the destinations comes first
-    lease = _new_pinned(largest * halves)
+    with span("pin"):
+        lease = _new_pinned(largest * halves)
     try:
         _run_batches(device, len(work), batches, halves, largest, lease.tensor[: largest * halves], side, current,
                      stats, read, request_cost)
@@ -194,7 +196,8 @@ def _run_batches(device: torch.device, pieces: int, batches: list, halves: int, 
     for index, batch in enumerate(batches):
         half = index % halves
         if copied[half] is not None:
-            copied[half].synchronize()  # the previous upload from this half has finished
+            with span("h2d_wait"):
+                copied[half].synchronize()  # the previous upload from this half has finished
         half_offset = half * largest
         base = pinned.data_ptr() + half_offset
 
@@ -209,7 +212,8 @@ def _run_batches(device: torch.device, pieces: int, batches: list, halves: int, 
             else:
                 tables.append((piece.file, staged_read_table(piece, base + offset, request_cost)))
         if tables:
-            read(tables)
+            with span("read"):
+                read(tables)
 
         device_base = device_staging.data_ptr()
         boxes: list[BoxTuple] = []
@@ -254,7 +258,8 @@ def _run_batches(device: torch.device, pieces: int, batches: list, halves: int, 
     current.wait_stream(side)
     finished = torch.cuda.Event()
     finished.record(side)
-    finished.synchronize()
+    with span("h2d_wait"):
+        finished.synchronize()
     # Every copy from `pinned` has completed: the caller gives it back to the pool.
     # `device_staging` was allocated on `side`, so the caching allocator reuses it in stream order.
 

@@ -54,6 +54,7 @@ from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo
 from ..format.checksums import ChecksumError, checksummed_items
 from ..format.table_metadata import TableMetadata, TableStorageData, referenced_files, table_file_extents
+from ..io.phases import timed
 from ..io.checkpoint_files import (
     check_data_paths,
     check_file_extents,
@@ -196,6 +197,7 @@ class FastFileSystemReader(FileSystemReader):
         # The check-ins of the load whose .metadata was read last, until its read_data.
         self._check_ins: LoadCheckIns | None = None
 
+    @timed("read")
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """This rank's reads. With the load's check-ins (see :meth:`read_metadata`), its status
         names the files it reads, and after its reads (also failed ones) it waits for every rank."""
@@ -235,6 +237,7 @@ class FastFileSystemReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
+    @timed("plan")
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if isinstance(metadata, SectionedTableMetadata) and isinstance(kwargs.get("rank"), int):
             metadata.bind_rank(kwargs["rank"])  # DCP's rank in the load's process group
@@ -252,6 +255,7 @@ class FastFileSystemReader(FileSystemReader):
         self._failed_global_read = None
         self._unpin()
 
+    @timed("plan")
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         plan = super().prepare_local_plan(plan)
         if plan.storage_data is not None:
@@ -259,6 +263,7 @@ class FastFileSystemReader(FileSystemReader):
         # Which save this rank's metadata came from, for the coordinator's check below.
         return dataclasses.replace(plan, storage_data=_SaveIdentity(self._save_id()))
 
+    @timed("plan")
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         plans = super().prepare_global_plan(plans)
         seen = {p.storage_data.save_id for p in plans if isinstance(p.storage_data, _SaveIdentity)}
@@ -275,6 +280,7 @@ class FastFileSystemReader(FileSystemReader):
         save_id = getattr(meta, "save_id", None)
         return save_id if isinstance(save_id, str) and save_id else None
 
+    @timed("metadata")
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Stock ``read_metadata`` (``.metadata``, or ``__{rank}.metadata`` with ``rank=``), read
         through :func:`fastdcp.io.checkpoint_files.load_metadata`: restricted unpickling unless

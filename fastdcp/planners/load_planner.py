@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..io.gc import gc_paused
+from ..io.phases import timed
 from .items import _local_read_items, _metadata_key
 from . import plan_cache
 from .plan_cache import _PackedItems, as_item_list
@@ -81,6 +82,7 @@ class FastLoadPlanner(DefaultLoadPlanner):
         self.local_plan_hits = 0
         self.local_plan_misses = 0
 
+    @timed("plan")
     def set_up_planner(
         self,
         state_dict: dict[str, Any],
@@ -106,6 +108,7 @@ class FastLoadPlanner(DefaultLoadPlanner):
         self._structure_key = None if key is None else (
             type(self), self.flatten_state_dict, self.flatten_sharded_tensors, self.allow_partial_load, key)
 
+    @timed("plan")
     def create_local_plan(self) -> LoadPlan:
         if self.metadata is None:
             raise AssertionError("self.metadata is not None")
@@ -170,6 +173,7 @@ class FastLoadPlanner(DefaultLoadPlanner):
             plan_cache.current_process_state().local_load_plans.put(key, (items, found[1]))
         return LoadPlan(items)
 
+    @timed("plan")
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         # A plan whose items this process no longer remembered comes back undecoded
         # (plan_cache.UndecodedReadItems); storage readers get a list.

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..io.gc import gc_paused
+from ..io.phases import timed
 from .items import _dedup_plans, _fresh_metadata, _global_plans_and_metadata, _local_write_items, _validate
 from . import plan_cache
 from ..format.table_metadata import TableMetadata
@@ -167,6 +168,7 @@ class FastSavePlanner(DefaultSavePlanner):
     def _setting(self) -> tuple[Any, ...]:
         return (type(self), self.flatten_state_dict, self.flatten_sharded_tensors)
 
+    @timed("plan")
     def set_up_planner(
         self,
         state_dict: dict[str, Any],
@@ -196,6 +198,7 @@ class FastSavePlanner(DefaultSavePlanner):
         else:
             self.mappings = {}
 
+    @timed("plan")
     def create_local_plan(self) -> SavePlan:
         planner_data = self.mappings if self.flatten_state_dict else None
         cached = self._cached_local
@@ -212,6 +215,7 @@ class FastSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(items, planner_data=planner_data)
         return self.plan
 
+    @timed("plan")
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         setting = (type(self), self.flatten_state_dict, self.dedup_save_to_lowest_rank)
         if not all(getattr(plan, "usable", True) for plan in all_plans):  # older torch: no field
@@ -285,6 +289,7 @@ class FastSavePlanner(DefaultSavePlanner):
             metadata=metadata,
         )
 
+    @timed("plan")
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         if isinstance(new_plan.items, GlobalItems):  # not pickled on the way (no_dist, one rank)
             new_plan = dataclasses.replace(new_plan, items=new_plan.items.resolve())

@@ -34,6 +34,7 @@ import torch
 
 from ..io.engine import DIRECT_ALIGN
 from ..io.copy_engine import Copier, CudaCopier
+from ..io.phases import span
 
 __all__ = ["RangeJob", "cut_ranges", "CudaCopier", "DeviceRing", "write_device_images", "interleave"]
 
@@ -165,8 +166,9 @@ def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob],
     while pos < len(order):
         end = min(pos + batch, len(order))
         # This batch first (its slots are free: the previous batch gave them back), then ahead.
-        while issued < len(order) and issue(issued):
-            issued += 1
+        with span("d2h_issue"):
+            while issued < len(order) and issue(issued):
+                issued += 1
         if issued < end:
             raise AssertionError("fastdcp: the device ring has fewer free slots than a batch")
         jobs = []
@@ -174,12 +176,14 @@ def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob],
             job = order[k]
             segments = list(job.segments)
             if job.device:
-                copier.wait(tokens.pop(k))
+                with span("d2h_wait"):
+                    copier.wait(tokens.pop(k))
                 base = ring.slot(slot_of[k]).data_ptr()
                 segments += [(offset, base + offset - job.start, source.numel()) for offset, source in job.device]
                 segments.sort(key=lambda s: s[0])
             jobs.append((handles[job.file_index], job.start, job.end, segments))
-        engine.write(jobs)
+        with span("write"):
+            engine.write(jobs)
         for k in range(pos, end):
             if k in slot_of:
                 free.append(slot_of.pop(k))

@@ -48,6 +48,7 @@ from ..format.blob import is_plain_dense
 from ..io.host_memory import PAGE, HostSlab
 from .async_staging import StagingFuture, StagingReport, StagingSession, storage_key
 from ..io.copy_engine import Copier, DeviceCopier, is_device_tensor
+from ..io.phases import span
 from .staging_pool import StagingLease, staging_pool
 
 try:
@@ -262,7 +263,8 @@ def _copy_into(views: list[torch.Tensor], sources: list[torch.Tensor], paths: li
     if boxes:
         _fill_slab(engine, boxes, fresh)
     if copier is not None:
-        copier.wait(copier.record())
+        with span("d2h_wait"):
+            copier.wait(copier.record())
 
 
 @dataclass
@@ -381,7 +383,8 @@ class StateDictStager:
         found = list(_slab_tensors(state_dict))
         sources = [tensor for tensor, _, _ in found]
         paths = [path for _, path, _ in found]
-        lease, views = self._lease_views(sources)
+        with span("pin"):
+            lease, views = self._lease_views(sources)
         try:
             with torch.no_grad():
                 _copy_into(views, sources, paths, engine, fresh=lease.fresh)
@@ -410,7 +413,8 @@ class StateDictStager:
         keys = [storage_key(s) for s in sources]
         is_guarded = [key in guarded for key in keys] if guarded else [False] * len(sources)
         fits = _fits(sources, is_guarded, budget, [group for _, _, group in found])
-        lease, views = self._lease_views([s for s, keep in zip(sources, fits) if keep])
+        with span("pin"):
+            lease, views = self._lease_views([s for s, keep in zip(sources, fits) if keep])
         try:
             with torch.no_grad():
                 pending = iter(views)
@@ -454,7 +458,8 @@ class StateDictStager:
             with torch.no_grad():
                 _enqueue_copies(host_copies)  # host sources only: copied here and now
             if copier is not None:
-                copier.wait(token)
+                with span("d2h_wait"):
+                    copier.wait(token)
 
         session.run_copies(copy)
         report.blocked_s = time.perf_counter() - t0

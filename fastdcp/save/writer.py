@@ -47,6 +47,7 @@ from ..format.table_metadata import TableMetadata, TableStorageData
 from ..io.committed_metadata import CommittedIndex
 from ..io.engine import DIRECT_ALIGN, IoOptions, cpu_share, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
+from ..io.phases import span, timed
 from ..io.write_mode import WriteMode, record_write, write_mode_for
 from .async_staging import StagingFuture, StagingReport
 from . import inflight
@@ -236,6 +237,7 @@ class FastFileSystemWriter(FileSystemWriter):
     # ----------------------------------------------------------------------------------------- #
     # Async staging (AsyncStager protocol, used by dcp.async_save).
 
+    @timed("stage")
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | StagingFuture:
         """Copy ``state_dict`` into a slab of the process-wide staging pool.
 
@@ -322,6 +324,7 @@ class FastFileSystemWriter(FileSystemWriter):
         self._claimed_tokens.add(token)
         return token
 
+    @timed("plan")
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)  # mkdir, overwrite check, stock's rank-local prefix
         if self._rank_local() and isinstance(plan.storage_data, _StoragePrefix):
@@ -331,6 +334,7 @@ class FastFileSystemWriter(FileSystemWriter):
                 crash_point("plan")
         return plan
 
+    @timed("plan")
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if all(plan.storage_data is not None for plan in plans):
             return super().prepare_global_plan(plans)  # rank-local prefixes were chosen already
@@ -347,6 +351,7 @@ class FastFileSystemWriter(FileSystemWriter):
     # ----------------------------------------------------------------------------------------- #
     # Writing data files.
 
+    @timed("layout")
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage_plan: _StoragePrefix = plan.storage_data
         written_prefix: str | None = None  # set once this save owns the prefix it writes under
@@ -455,31 +460,35 @@ class FastFileSystemWriter(FileSystemWriter):
         try:
             t_open = time.perf_counter()
             jobs = []
-            for f in files:
-                handle = _C.File(f.path, "w", direct)
-                handles.append(handle)
-                if handle.direct:
-                    # Allocate up to the padded end so no O_DIRECT write extends the file (ext4
-                    # serialises extending direct writes). Buffered writes need no help, and on
-                    # tmpfs preallocation would zero every page before it is written.
-                    handle.allocate(-(-f.size // DIRECT_ALIGN) * DIRECT_ALIGN)
-                if not f.device_segments:
-                    jobs.append((handle, 0, f.size, f.segments))
+            with span("open"):
+                for f in files:
+                    handle = _C.File(f.path, "w", direct)
+                    handles.append(handle)
+                    if handle.direct:
+                        # Allocate up to the padded end so no O_DIRECT write extends the file (ext4
+                        # serialises extending direct writes). Buffered writes need no help, and on
+                        # tmpfs preallocation would zero every page before it is written.
+                        handle.allocate(-(-f.size // DIRECT_ALIGN) * DIRECT_ALIGN)
+                    if not f.device_segments:
+                        jobs.append((handle, 0, f.size, f.segments))
             crash_point("open")
-            engine.write(jobs)
+            with span("write"):
+                engine.write(jobs)
             device_files = [i for i, f in enumerate(files) if f.device_segments]
             if device_files:
                 self._write_through_ring(engine, handles, [(i, files[i]) for i in device_files])
-            for f, handle in zip(files, handles):
-                handle.truncate(f.size)  # drop the O_DIRECT padding of the last block
+            with span("write"):
+                for f, handle in zip(files, handles):
+                    handle.truncate(f.size)  # drop the O_DIRECT padding of the last block
             crash_point("write")
-            if self.sync_files:
-                engine.sync(handles, False)
-                # Without fsync a buffered write times only the page-cache copy: not comparable.
-                record_write(str(self.path), mode, total_bytes, time.perf_counter() - t_open,
-                             all(h.direct for h in handles))
-            for handle in handles:
-                handle.close()
+            with span("fsync"):
+                if self.sync_files:
+                    engine.sync(handles, False)
+                    # Without fsync a buffered write times only the page-cache copy: not comparable.
+                    record_write(str(self.path), mode, total_bytes, time.perf_counter() - t_open,
+                                 all(h.direct for h in handles))
+                for handle in handles:
+                    handle.close()
             crash_point("sync")
         finally:
             for handle in handles:
@@ -499,13 +508,16 @@ class FastFileSystemWriter(FileSystemWriter):
             for index, f in files
             for job in cut_ranges(index, f.size, f.segments, f.device_segments, slot_bytes)
         ]
-        with lease_pinned(slot_bytes * slots) as lease:
+        with span("pin"):
+            lease = lease_pinned(slot_bytes * slots)
+        with lease:
             ring = DeviceRing(slot_bytes, slots, lease.tensor)
             write_device_images(engine, handles, ranges, ring, _make_copier(), batch=batch)
 
     # ----------------------------------------------------------------------------------------- #
     # Commit: atomic metadata swap, then cleanup.
 
+    @timed("commit")
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit the save (coordinator only, after every rank's data files are durable).
 

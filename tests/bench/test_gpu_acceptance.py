@@ -58,8 +58,18 @@ def test_dry_run_goes_through_every_step(tmp_path):
     assert {"Shard(0)@2->Shard(1)@2", "Shard(0)@2->whole@1"} <= layouts
     assert {r["config"]["layout"] for r in by_step["kernel"] if "gibps" in r} == {"same", "column"}
     assert any("target" in r for r in records)
+    # save and async ran fastdcp's device pipeline on the stand-in device, and every fastdcp row of
+    # the save, async and load steps says where its time went, adding up to its wall time
+    assert {r["config"].get("device") for r in by_step["save"] if "gibps" in r} == {"cpu-standin"}
+    for step in ("save", "async", "load"):
+        timed = [r for r in by_step[step] if r.get("system", "").startswith("fastdcp") and "gibps" in r]
+        assert timed and all(r.get("phases") for r in timed), step
+        for r in timed:
+            caller = sum(v for k, v in r["phases"].items() if k != "background")
+            assert caller == pytest.approx(r["seconds_median"], rel=0.02, abs=2e-3), (step, r["phases"])
+    assert {"pin", "d2h_wait", "write"} <= set(next(r for r in by_step["save"] if r.get("system") == "fastdcp")["phases"])
     summary = (out / "summary.md").read_text()
-    assert "DRY RUN" in summary
+    assert "DRY RUN" in summary and "Where the time went" in summary
     for step in A.STEPS:
         assert f"| {step} |" in summary, step
     for step in A.SCENARIO_STEPS:
@@ -108,25 +118,51 @@ def test_records_reach_the_file_one_by_one(tmp_path):
 def test_targets_are_judged_from_the_results():
     doc = {"results": [
         {"scenario": "gpu_save", "system": "fastdcp", "where": "dir", "config": {"device": "cuda"}, "gibps": 9.0,
-         "limit": "min(d2h,write:dir)", "fraction_of_limit": 0.95},
+         "limit": "min(d2h,write:dir)", "fraction_of_limit": 0.86},
         {"scenario": "gpu_save", "system": "fastdcp", "where": "shm", "config": {"device": "cuda"}, "gibps": 5.0,
-         "limit": "d2h", "fraction_of_limit": 0.5},
+         "limit": "min(d2h,write:shm)", "fraction_of_limit": 0.5},
         {"scenario": "gpu_save", "system": "stock", "where": "dir", "config": {}, "gibps": 1.0, "fraction_of_limit": 0.1},
     ]}
     got = {t["target"]: t["met"] for t in A.evaluate_targets("save", doc)}
-    assert got == {"sync save dir >= 90% of min(d2h,write:dir)": True, "sync save shm >= 90% of d2h": False}
+    assert got == {"sync save of device state dir >= 85% of min(d2h,write:dir)": True,
+                   "sync save of device state shm >= 60% of min(d2h,write:shm)": False}
     doc = {"results": [
-        {"system": "fastdcp", "config": {"mode": "thread", "run": "2nd+", "phase": "blocked"}, "ratio_to_baseline": 1.05},
+        {"system": "fastdcp", "config": {"mode": "thread", "run": "2nd+", "phase": "blocked"}, "ratio_to_baseline": 1.45},
         {"system": "fastdcp", "config": {"mode": "thread", "run": "1st", "phase": "blocked"}, "ratio_to_baseline": 3.0},
         {"system": "fastdcp_overlap", "config": {"mode": "thread", "run": "2nd+", "phase": "blocked"},
          "seconds_median": 0.02},
+        {"system": "fastdcp_overlap", "config": {"mode": "thread", "run": "1st", "phase": "blocked"},
+         "seconds_median": 0.015},
     ]}
     got = [(t["target"], t["met"]) for t in A.evaluate_targets("async", doc)]
-    assert got == [("blocking async_save (thread, 2nd+) <= 1.1x the bare pinned D2H copy", True),
-                   ("overlapped staging (thread, 2nd+): <= 10 ms in the call", False)]
+    assert got == [("blocking async_save (thread, 2nd+, new writer per save) <= 1.5x the bare copy", True),
+                   ("overlapped staging (thread, 2nd+): <= 10 ms in the call", False),
+                   ("overlapped staging (thread, 1st): <= 20 ms in the call", True)]
+    doc = {"results": [
+        {"system": "fastdcp", "where": "dir", "config": {"device": "cuda", "cache": "warm"}, "gibps": 8.0,
+         "limit": "min(h2d,read:dir)", "fraction_of_limit": 0.61},
+        {"system": "fastdcp", "where": "dir", "config": {"device": "cuda", "cache": "cold"}, "gibps": 1.0,
+         "limit": "min(h2d,read:dir)", "fraction_of_limit": 0.5},
+    ]}
+    assert [t["met"] for t in A.evaluate_targets("load", doc)] == [True, False]
+    doc = {"results": [
+        {"system": "fastdcp", "where": "dir", "config": {"op": "load", "layout": "a", "cache": "cold"},
+         "ratio_vs_stock": 1.31},
+        {"system": "fastdcp", "where": "dir", "config": {"op": "load", "layout": "a", "cache": "warm"},
+         "ratio_vs_stock": 0.5},
+    ]}
+    assert [t["met"] for t in A.evaluate_targets("reshard", doc)] == [True]
     doc = {"train_loop": [{"device": "cuda", "system": "stock_zoc", "slowdown_pct": 4.0},
                           {"device": "cuda", "system": "fastdcp_overlap", "slowdown_pct": 3.0}]}
     assert [t["met"] for t in A.evaluate_targets("train_loop", doc)] == [True]
+
+
+def test_median_phases_and_their_text():
+    r = {"seconds": [0.3, 0.1, 0.2], "extra": {"phases": [{"write": 0.3}, {"write": 0.1}, {"write": 0.2, "outside": 0.0}]}}
+    assert A.median_phases(r) == {"write": 0.2, "outside": 0.0}
+    assert A.median_phases({"seconds": [1.0]}) is None
+    text = A.phases_text({"write": 0.02, "pin": 0.01, "outside": 0.01, "background": {"fsync": 0.005}}, 0.04)
+    assert text == "write 20.0 ms (50%), pin 10.0 ms (25%), outside 10.0 ms (25%) | background: fsync 5.0 ms (12%)"
 
 
 def test_pytest_summary_counts():
