@@ -18,6 +18,7 @@
 
 #ifdef FASTDCP_WITH_CUDA
 #include "cuda/box_copy_cuda.cuh"
+#include "cuda/memcpy_batch.cuh"
 #endif
 
 #include <fcntl.h>
@@ -166,6 +167,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     "prepare_boxes) on the given cudaStream_t (torch.cuda.Stream.cuda_stream). any_conversion=False "
     "(no box changes dtype) runs the byte-copy-only kernel; a converting box is then not copied. "
     "Does not synchronise; raises RuntimeError naming the CUDA error if the launch fails.");
+  m.def(
+    "memcpy_batch_async",
+    [](uint64_t table, int64_t count, uint64_t stream) {
+      if (count < 0) { throw py::value_error("negative job count"); }
+      if (count > 0 && table == 0) { throw py::value_error("null job table"); }
+      cudaError_t status = cudaSuccess;
+      size_t failed = 0;
+      {
+        py::gil_scoped_release release;
+        status = fastdcp::memcpy_batch_async(reinterpret_cast<const fastdcp::MemcpyJob*>(address(table)),
+                                             static_cast<size_t>(count),
+                                             reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)), &failed);
+      }
+      if (status != cudaSuccess) {
+        throw std::runtime_error("fastdcp batched copy " + std::to_string(failed) + " of " + std::to_string(count) +
+                                 " failed to enqueue: " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+      }
+    },
+    py::arg("table_address"), py::arg("count"), py::arg("stream_address"),
+    "Enqueue `count` copies on a cudaStream_t (torch.cuda.Stream.cuda_stream), in order, in one call: the "
+    "table is `count` triples of int64 {dst, src, nbytes} in host memory (read during the call only). "
+    "Does not synchronise; raises RuntimeError naming the first job that failed to enqueue.");
 #endif
   m.def(
     "memory_view",

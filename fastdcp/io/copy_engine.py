@@ -1,13 +1,16 @@
 """Copies between device memory and host memory, and which tensors count as device memory.
 
 Every path that moves GPU tensor bytes (the save ring, async staging's device copies) uses a
-:class:`Copier`: ``copy(dst, src)`` enqueues an asynchronous copy, ``record()`` returns a token for
+:class:`Copier`: ``copy(dst, src)`` enqueues an asynchronous copy (``copy_many(pairs)`` many of them
+in as few calls as the engine allows), ``record()`` returns a token for
 the copies enqueued so far, ``wait(token)`` blocks the host until they have landed, and
 ``order_current_streams_after()`` keeps work queued next on the device from changing what the
 copies read. Two engines implement it:
 
-* :class:`CudaCopier`: ``non_blocking`` copies on one side stream per device, ordered after the
-  device's current stream; tokens are CUDA events.
+* :class:`CudaCopier`: copies on one side stream per device, ordered after the device's current
+  stream; tokens are CUDA events. ``copy_many`` enqueues every plain byte copy of a device in one
+  native call (``_C.memcpy_batch_async``: a ``cudaMemcpyAsync`` each, no Python per tensor);
+  other copies, and an extension built without CUDA, use ``Tensor.copy_(non_blocking=True)``.
 * :class:`StandInCopier`: the **stand-in device** for machines without a GPU. A copy is a memcpy run
   by one copy thread of its own (as a DMA engine runs beside the host), in order; tokens are
   events set by that thread. ``order_current_streams_after()`` waits for the copies so far (the host
@@ -37,6 +40,7 @@ __all__ = ["Copier", "CudaCopier", "StandInCopier", "DeviceCopier", "is_device_t
 
 class Copier(Protocol):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
     def record(self) -> Any: ...
     def wait(self, token: Any) -> None: ...
     def order_current_streams_after(self) -> None: ...
@@ -97,15 +101,38 @@ class CudaCopier:
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.batched = 0  # copies enqueued through the native batch
+
+    def _stream(self, device: torch.device) -> "torch.cuda.Stream":
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._streams[device] = stream
+        return stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = torch.cuda.Stream(device=src.device)
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            self._streams[src.device] = stream
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(self._stream(src.device)):
             dst.copy_(src, non_blocking=True)
+
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Enqueue every ``dst.copy_(src)``: per device, the plain byte copies in one native call,
+        the rest with ``copy_`` (see the module docstring)."""
+        native = _native_batch()
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dst, src in pairs:
+            by_device.setdefault(src.device, []).append((dst, src))
+        for device, items in by_device.items():
+            stream = self._stream(device)
+            jobs, rest = batch_jobs(items) if native is not None else ([], items)
+            if jobs:
+                table = torch.tensor(jobs, dtype=torch.int64)
+                native(table.data_ptr(), len(jobs), stream.cuda_stream)
+                self.batched += len(jobs)
+            if rest:
+                with torch.cuda.stream(stream):
+                    for dst, src in rest:
+                        dst.copy_(src, non_blocking=True)
 
     def record(self) -> list[torch.cuda.Event]:
         events = []
@@ -165,6 +192,10 @@ class StandInCopier:
         self.copies += 1
         self._queue.put((dst, src))
 
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for dst, src in pairs:
+            self.copy(dst, src)
+
     def record(self) -> threading.Event:
         self._start()
         event = threading.Event()
@@ -186,6 +217,28 @@ class StandInCopier:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+
+
+def _native_batch() -> Any:
+    """``_C.memcpy_batch_async`` when the extension was built with CUDA, else None."""
+    from .. import _C
+
+    return getattr(_C, "memcpy_batch_async", None)
+
+
+def batch_jobs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[tuple[int, int, int]], list]:
+    """``(jobs, rest)``: ``(dst address, src address, bytes)`` of each pair that is a plain byte copy
+    (same dtype and shape, both contiguous, no conj/neg bit), and the other pairs."""
+    jobs, rest = [], []
+    for dst, src in pairs:
+        if (src.dtype == dst.dtype and src.shape == dst.shape and src.is_contiguous() and dst.is_contiguous()
+                and not src.is_conj() and not src.is_neg()):
+            nbytes = src.numel() * src.element_size()
+            if nbytes:
+                jobs.append((dst.data_ptr(), src.data_ptr(), nbytes))
+        else:
+            rest.append((dst, src))
+    return jobs, rest
 
 
 def _byte_box(dst: torch.Tensor, src: torch.Tensor) -> tuple | None:
@@ -311,6 +364,15 @@ class DeviceCopier:
         else:
             self._standin = self._standin or StandInCopier()
             self._standin.copy(dst, src)
+
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        cuda = [(d, s) for d, s in pairs if s.device.type == "cuda"]
+        if cuda:
+            self._cuda = self._cuda or CudaCopier()
+            self._cuda.copy_many(cuda)
+        if len(cuda) < len(pairs):
+            self._standin = self._standin or StandInCopier()
+            self._standin.copy_many([(d, s) for d, s in pairs if s.device.type != "cuda"])
 
     def record(self) -> tuple[Any, Any]:
         return (self._cuda.record() if self._cuda is not None else None,

@@ -4,11 +4,13 @@ The CPU placement (:mod:`fastdcp.load.pieces`) decides *what* to read: pieces, t
 tables. For pieces whose destination lives on a GPU this module decides *how it gets there*:
 
 1. the needed bytes are read (the same run tables as the CPU ``staged`` mode; ``window`` pieces are
-   copied from the header pass's memory) into **pinned** host staging, one buffer per load used as
-   two halves, so batch i+1 is read while batch i travels;
+   copied from the header pass's memory) into **pinned** host staging leased from the process-wide
+   pool (``fastdcp.io.pinned_pool``), cut into :data:`SLOTS` slots: a reader thread reads batch k
+   into slot ``k % SLOTS`` as soon as that slot's previous upload has completed, so the reads of
+   the next batches are in flight while a batch travels and the storage queue never drains;
 2. each batch's descriptors (one :class:`BoxCopy` per piece, packed here, validated and simplified by
-   ``_C.prepare_boxes``) are written behind the batch's data in the same pinned half, and the whole
-   half is copied host-to-device with one ``non_blocking`` copy on a side stream into a device
+   ``_C.prepare_boxes``) are written behind the batch's data in the same pinned slot, and the whole
+   slot is copied host-to-device with one ``non_blocking`` copy on a side stream into a device
    staging buffer;
 3. one ``_C.launch_box_copy`` on the side stream places every box of the batch (N-D boxes, any
    destination strides, dtype conversion with CUDA's rules, as torch on CUDA); pieces the kernel
@@ -16,7 +18,7 @@ tables. For pieces whose destination lives on a GPU this module decides *how it 
    destinations) are copied with ``Tensor.copy_`` on the same side stream instead; a batch with no
    dtype conversion runs the byte-copy-only build of the kernel (``any_conversion=False``: 64
    instead of 114 registers a thread on sm_90, so more of it is resident);
-4. an event recorded after each host-to-device copy guards the pinned half: it is refilled only after
+4. an event recorded after each host-to-device copy guards the pinned slot: it is refilled only after
    ``event.synchronize()`` (never a device-wide synchronisation); the device staging buffer is reused
    in stream order (copy i+1 follows kernel i on the side stream) and lives until the load ends;
 5. at the end the destinations' current stream waits for the side stream, and the host waits for
@@ -31,7 +33,9 @@ At the start the side stream waits for the current stream, so pending work on th
 from __future__ import annotations
 
 import struct
+import threading
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -41,7 +45,11 @@ from ..io.phases import span
 from ..io.pinned_pool import PinnedLease, lease_pinned
 from .pieces import MAX_BOX_DIMS, RAW, STAGING_ALIGN, Piece, split_to_budget, staged_read_table
 
-__all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES"]
+__all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES", "SLOTS"]
+
+# Slots of pinned staging a load cycles through: reads of up to SLOTS - 1 batches run ahead of the
+# batch being uploaded, so the storage queue never drains at a batch boundary.
+SLOTS = 4
 
 # struct BoxCopy (csrc/box_copy.hpp): src, dst pointers; int32 ndim, src_kind, dst_kind,
 # src_elem_size, dst_elem_size (+4 bytes padding to 8-byte alignment); int64 shape[8],
@@ -139,9 +147,10 @@ def place_on_gpu(pieces: list[Piece], half_budget: int, request_cost: int, stats
 
 def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int, request_cost: int,
                      stats: dict, read: Callable[[list[tuple]], None]) -> None:
-    # Split to the half budget (less room for the piece's descriptor); a window piece too large for
-    # a half becomes staged parts read from the file.
-    data_budget = max(STAGING_ALIGN, (half_budget - BOX_BYTES - 16) // STAGING_ALIGN * STAGING_ALIGN)
+    # The reader's staging budget (two halves) is cut into SLOTS slots; a batch fills one. A window
+    # piece too large for a slot (less room for its descriptor) becomes staged parts read from the file.
+    slot_budget = max(2 * STAGING_ALIGN, 2 * half_budget // SLOTS // STAGING_ALIGN * STAGING_ALIGN)
+    data_budget = max(STAGING_ALIGN, (slot_budget - BOX_BYTES - 16) // STAGING_ALIGN * STAGING_ALIGN)
     work: list[Piece] = []
     for piece in pieces:
         if piece.mode == "window" and piece.span_nbytes <= data_budget:
@@ -150,26 +159,26 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
             work.extend(split_to_budget(piece, data_budget))
     work.sort(key=lambda p: (p.mode != "window", p.file.path, p.span_start))
 
-    # Batches of (piece, data offset within the half).
+    # Batches of (piece, data offset within the slot).
     batches: list[list[tuple[Piece, int]]] = [[]]
     used = 0
     for piece in work:
         size = _align(piece.span_nbytes)
-        if batches[-1] and _batch_bytes(used + size, len(batches[-1]) + 1) > half_budget:
+        if batches[-1] and _batch_bytes(used + size, len(batches[-1]) + 1) > slot_budget:
             batches.append([])
             used = 0
         batches[-1].append((piece, used))
         used += size
     largest = max(_align(_batch_bytes(sum(_align(p.span_nbytes) for p, _ in b), len(b))) for b in batches)
-    halves = 2 if len(batches) > 1 else 1
+    slots = min(SLOTS, len(batches))
 
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(current)  # pending work on the destinations comes first
     with span("pin"):
-        lease = _new_pinned(largest * halves)
+        lease = _new_pinned(largest * slots)
     try:
-        _run_batches(device, len(work), batches, halves, largest, lease.tensor[: largest * halves], side, current,
+        _run_batches(device, len(work), batches, slots, largest, lease.tensor[: largest * slots], side, current,
                      stats, read, request_cost)
     except BaseException:
         side.synchronize()  # no copy may still read the buffer when it goes back to the pool
@@ -178,82 +187,122 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
     lease.release()
 
 
-def _run_batches(device: torch.device, pieces: int, batches: list, halves: int, largest: int, pinned: torch.Tensor,
+class _Cancelled(Exception):
+    """The load stopped (an error elsewhere): the reader thread reads no further batch."""
+
+
+def _run_batches(device: torch.device, pieces: int, batches: list, slots: int, largest: int, pinned: torch.Tensor,
                  side: "torch.cuda.Stream", current: "torch.cuda.Stream", stats: dict,
                  read: Callable[[list[tuple]], None], request_cost: int) -> None:
-    """Steps 1-5 of the module docstring for ``batches``, through ``pinned`` (``halves`` halves of
-    ``largest`` bytes); returns once every copy and kernel of the load is complete."""
+    """Steps 1-5 of the module docstring for ``batches``, through ``pinned`` (``slots`` slots of
+    ``largest`` bytes): a reader thread reads batch k into slot ``k % slots`` as soon as the upload
+    of batch ``k - slots`` from it has completed, while this thread packs, uploads and places the
+    batches read before. Returns once every copy and kernel of the load is complete; on an error,
+    once the reader thread has stopped (no read still writes into ``pinned``)."""
     with torch.cuda.stream(side):
         # Allocated on the side stream: the caching allocator reuses it only in that stream's order.
         device_staging = _new_device_buffer(largest, device)
-    copied: list[torch.cuda.Event | None] = [None] * halves
+    uploaded: list[torch.cuda.Event | None] = [None] * len(batches)
+    recorded = [threading.Event() for _ in batches]  # set once uploaded[k] exists (or the load stops)
+    stopping = threading.Event()
     stats["gpu_pieces"] = stats.get("gpu_pieces", 0) + pieces
     stats["gpu_batches"] = stats.get("gpu_batches", 0) + len(batches)
     stats["gpu_staging_bytes"] = max(stats.get("gpu_staging_bytes", 0), pinned.numel())
+    stats["gpu_slots"] = slots
     stats.setdefault("gpu_kernel_boxes", 0)
     stats.setdefault("gpu_fallback_copies", 0)
 
-    for index, batch in enumerate(batches):
-        half = index % halves
-        if copied[half] is not None:
-            with span("h2d_wait"):
-                copied[half].synchronize()  # the previous upload from this half has finished
-        half_offset = half * largest
-        base = pinned.data_ptr() + half_offset
+    def read_batch(index: int) -> int:
+        """Fill batch ``index``'s slot (reader thread); returns its data bytes. After a failure
+        (here or in the uploading thread) no further batch is read."""
+        if stopping.is_set():
+            raise _Cancelled()
+        try:
+            return _fill_slot(index)
+        except BaseException:
+            stopping.set()
+            raise
 
+    def _fill_slot(index: int) -> int:
+        if index >= slots:
+            recorded[index - slots].wait()
+            if stopping.is_set():
+                raise _Cancelled()
+            with span("h2d_wait"):
+                uploaded[index - slots].synchronize()  # the previous upload from this slot has finished
+        slot_offset = (index % slots) * largest
+        base = pinned.data_ptr() + slot_offset
         tables = []
         data_bytes = 0
-        for piece, offset in batch:
+        for piece, offset in batches[index]:
             data_bytes = max(data_bytes, offset + piece.span_nbytes)
             if piece.mode == "window":
                 assert piece.window_tensor is not None
                 window = piece.window_tensor[piece.window_offset : piece.window_offset + piece.span_nbytes]
-                pinned[half_offset + offset : half_offset + offset + piece.span_nbytes].copy_(window)
+                pinned[slot_offset + offset : slot_offset + offset + piece.span_nbytes].copy_(window)
             else:
                 tables.append((piece.file, staged_read_table(piece, base + offset, request_cost)))
         if tables:
             with span("read"):
                 read(tables)
+        return data_bytes
 
-        device_base = device_staging.data_ptr()
-        boxes: list[BoxTuple] = []
-        fallbacks: list[tuple[Piece, int]] = []
-        for piece, offset in batch:
-            box = _kernel_box(piece, device_base + offset)
-            if box is None:
-                fallbacks.append((piece, offset))
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdcp-gpu-read")
+    try:
+        reads = [reader.submit(read_batch, index) for index in range(len(batches))]
+        for index, batch in enumerate(batches):
+            with span("read_wait"):
+                data_bytes = reads[index].result()
+            slot_offset = (index % slots) * largest
+            base = pinned.data_ptr() + slot_offset
+            device_base = device_staging.data_ptr()
+            boxes: list[BoxTuple] = []
+            fallbacks: list[tuple[Piece, int]] = []
+            for piece, offset in batch:
+                box = _kernel_box(piece, device_base + offset)
+                if box is None:
+                    fallbacks.append((piece, offset))
+                else:
+                    boxes.append(box)
+            table_offset = _align(data_bytes)
+            prefix_offset = table_offset + len(boxes) * BOX_BYTES
+            upload_bytes = prefix_offset + (len(boxes) + 1) * 8
+            total = 0
+            if boxes:
+                packed = pack_boxes(boxes)
+                pinned[slot_offset + table_offset : slot_offset + prefix_offset].copy_(
+                    torch.frombuffer(packed, dtype=torch.uint8))
+                total = _C.prepare_boxes(base + table_offset, len(boxes), base + prefix_offset)
             else:
-                boxes.append(box)
-        table_offset = _align(data_bytes)
-        prefix_offset = table_offset + len(boxes) * BOX_BYTES
-        upload_bytes = prefix_offset + (len(boxes) + 1) * 8
-        total = 0
-        if boxes:
-            packed = pack_boxes(boxes)
-            pinned[half_offset + table_offset : half_offset + prefix_offset].copy_(
-                torch.frombuffer(packed, dtype=torch.uint8))
-            total = _C.prepare_boxes(base + table_offset, len(boxes), base + prefix_offset)
-        else:
-            upload_bytes = data_bytes
+                upload_bytes = data_bytes
 
-        with torch.cuda.stream(side):
-            device_staging[:upload_bytes].copy_(pinned[half_offset : half_offset + upload_bytes], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
-            copied[half] = event
-            if boxes and total:
-                _C.launch_box_copy(device_base + table_offset, device_base + prefix_offset, len(boxes), total,
-                                   side.cuda_stream, any_conversion=any(b[2] != b[3] for b in boxes))
-            for piece, offset in fallbacks:
-                raw = device_staging[offset : offset + piece.span_nbytes].view(piece.src_dtype)
-                piece.dest.copy_(raw.as_strided(piece.shape, piece.src_stride, raw.storage_offset()))
-        stats["gpu_kernel_boxes"] += len(boxes)
-        stats["gpu_fallback_copies"] += len(fallbacks)
+            with span("h2d_issue"), torch.cuda.stream(side):
+                device_staging[:upload_bytes].copy_(pinned[slot_offset : slot_offset + upload_bytes],
+                                                    non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+                uploaded[index] = event
+                recorded[index].set()
+                if boxes and total:
+                    _C.launch_box_copy(device_base + table_offset, device_base + prefix_offset, len(boxes), total,
+                                       side.cuda_stream, any_conversion=any(b[2] != b[3] for b in boxes))
+                for piece, offset in fallbacks:
+                    raw = device_staging[offset : offset + piece.span_nbytes].view(piece.src_dtype)
+                    piece.dest.copy_(raw.as_strided(piece.shape, piece.src_stride, raw.storage_offset()))
+            stats["gpu_kernel_boxes"] += len(boxes)
+            stats["gpu_fallback_copies"] += len(fallbacks)
+    except BaseException:
+        stopping.set()
+        for event in recorded:
+            event.set()  # a reader waiting for a slot stops instead
+        raise
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
 
     # Ready on any stream: the load returns once its last upload and kernel are complete, so that
     # every stream (another compute stream, NCCL's) and the host see the loaded bytes, as after
-    # stock's load, with no wait of their own (docs/GUARANTEES.md). The halves were already
-    # waited for batch by batch: this waits for the last batch only. `current` is also ordered
+    # stock's load, with no wait of their own (docs/GUARANTEES.md). This waits for the last batch;
+    # the earlier uploads were waited for by the reader before it refilled their slots. `current` is also ordered
     # after the copies, for work queued on it before this returns.
     current.wait_stream(side)
     finished = torch.cuda.Event()

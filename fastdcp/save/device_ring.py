@@ -156,9 +156,8 @@ def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob],
         slot_index = free.pop(0)
         slot = ring.slot(slot_index)
         slot_of[k] = slot_index
-        for offset, source in job.device:
-            at = offset - job.start
-            copier.copy(slot[at : at + source.numel()], source)
+        copier.copy_many([(slot[offset - job.start : offset - job.start + source.numel()], source)
+                          for offset, source in job.device])
         tokens[k] = copier.record()
         return True
 

@@ -216,21 +216,34 @@ def _new_copier() -> Any:
 
 def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], copier: Copier | None = None) -> Copier | None:
     """Copy each ``(view, source, path)``: host sources now with ``copy_``, device sources enqueued
-    on ``copier``'s side streams (one per device, ordered after the current stream; created when
-    first needed). Returns the copier (None: no device source); nothing waits for it here. A
-    tensor that cannot be copied (a meta tensor, say) is an error naming it."""
+    together on ``copier`` (``Copier.copy_many``: side streams, one per device, ordered after the
+    current stream; created when first needed). Returns the copier (None: no device source);
+    nothing waits for it here. A tensor that cannot be copied (a meta tensor, say) is an error
+    naming it."""
+    device: list[tuple[torch.Tensor, torch.Tensor]] = []
+    device_paths: list[str] = []
     for view, source, path in copies:
         source = source.detach()
+        if _is_device_source(source):
+            device.append((view, source))
+            device_paths.append(path)
+            continue
         try:
-            if _is_device_source(source):
-                copier = copier or _new_copier()
-                copier.copy(view, source)
-            else:
-                view.copy_(source)
+            view.copy_(source)
         except (RuntimeError, NotImplementedError) as error:
             raise RuntimeError(
                 f"fastdcp: cannot stage '{path}' ({source.dtype}, shape {tuple(source.shape)}, on "
                 f"{source.device}) for async_save: {error}"
+            ) from error
+    if device:
+        copier = copier or _new_copier()
+        try:
+            copier.copy_many(device)
+        except (RuntimeError, NotImplementedError) as error:
+            named = f"'{device_paths[0]}'" + (f" ... '{device_paths[-1]}'" if len(device) > 1 else "")
+            raise RuntimeError(
+                f"fastdcp: cannot stage {len(device)} device tensor(s) ({named}, on {device[0][1].device}) "
+                f"for async_save: {error}"
             ) from error
     return copier
 

@@ -155,3 +155,69 @@ def test_standin_copies_batch_between_tokens_but_keep_their_order_where_they_ove
     assert int(strided[::2].sum()) == 1024 and int(strided[1::2].sum()) == 0
     assert torch.equal(wide, torch.arange(16, dtype=torch.float64))
     copier.close()
+
+
+def test_batch_jobs_take_plain_byte_copies_only():
+    from fastdcp.io.copy_engine import batch_jobs
+
+    a, b = torch.randn(4, 5), torch.empty(4, 5)
+    strided = torch.randn(5, 4).t()
+    pairs = [(b, a), (torch.empty(4, 5), strided), (torch.empty(4, 5, dtype=torch.float64), a),
+             (torch.empty(0), torch.empty(0)), (torch.empty(3, dtype=torch.complex64),
+                                                torch.randn(3, dtype=torch.complex64).conj())]
+    jobs, rest = batch_jobs(pairs)
+    assert jobs == [(b.data_ptr(), a.data_ptr(), 80)]
+    assert [r[1] is strided for r in rest][:1] == [True] and len(rest) == 3
+
+
+def test_cuda_copier_enqueues_plain_copies_in_one_native_call(monkeypatch):
+    """The batch path of CudaCopier.copy_many, with the CUDA pieces replaced by CPU ones: one native
+    call per device gets the job table (dst, src, bytes); the rest goes through copy_ on the same
+    side stream."""
+    import contextlib
+    import ctypes
+    import types
+
+    calls = []
+
+    def native(table, count, stream):
+        jobs = (ctypes.c_int64 * (3 * count)).from_address(table)
+        calls.append((count, stream))
+        for i in range(count):
+            ctypes.memmove(jobs[3 * i], jobs[3 * i + 1], jobs[3 * i + 2])
+
+    class Stream:
+        cuda_stream = 0x5EED
+
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(copy_engine, "_native_batch", lambda: native)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    sources = [torch.randn(100, 7), torch.arange(12, dtype=torch.int16), torch.randn(6, 4).t()]
+    dests = [torch.zeros(100, 7), torch.zeros(12, dtype=torch.int16), torch.zeros(4, 6)]
+    copier = copy_engine.CudaCopier()
+    copier.copy_many(list(zip(dests, sources)))
+    assert calls == [(2, 0x5EED)] and copier.batched == 2
+    for d, s in zip(dests, sources):
+        assert torch.equal(d, s)
+    del types
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copy_many_lands_every_byte_in_pinned_memory():
+    sources = [torch.randn(1 << 16, device="cuda"), torch.randn(33, 77, device="cuda").bfloat16(),
+               torch.randn(64, 32, device="cuda").t()]
+    dests = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in sources]
+    copier = copy_engine.CudaCopier()
+    copier.copy_many(list(zip(dests, sources)))
+    copier.wait(copier.record())
+    assert copier.batched == (2 if copy_engine._native_batch() is not None else 0)
+    for d, s in zip(dests, sources):
+        assert torch.equal(d, s.cpu())

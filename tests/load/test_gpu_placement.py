@@ -394,7 +394,7 @@ def test_simulated_pipeline_resharded_tiny_budget(tmp_path, monkeypatch, writer_
     assert fake_cuda.launches > fake_cuda.conversion_launches or layout == "convert"
 
 
-def test_simulated_pipeline_many_batches_reuse_halves(tmp_path, fake_cuda):
+def test_simulated_pipeline_many_batches_reuse_slots(tmp_path, fake_cuda):
     saved = {f"w{i}": torch.randn(256, 256) for i in range(6)}  # 6 x 256 KiB, larger than windows
     C.save(saved, C.make_writer("fast", tmp_path))
     dest = {k: torch.zeros(256, 256, dtype=torch.bfloat16) for k in saved}
@@ -404,12 +404,40 @@ def test_simulated_pipeline_many_batches_reuse_halves(tmp_path, fake_cuda):
     for k, v in saved.items():
         C.assert_tensor_bitexact(dest[k], v.bfloat16(), k)
     stats = reader.last_stats
-    assert stats["gpu_batches"] > 2
-    # each half waited for before reuse, then the last batch before the load returns
-    assert fake_cuda.synchronized == stats["gpu_batches"] - 2 + 1
+    assert stats["gpu_batches"] > G.SLOTS and stats["gpu_slots"] == G.SLOTS
+    # each slot's upload waited for before the slot is refilled, then the last batch before the load returns
+    assert fake_cuda.synchronized == stats["gpu_batches"] - G.SLOTS + 1
     _assert_returns_after_the_last_copy(fake_cuda)
     assert len(fake_cuda.pinned) == 1 and fake_cuda.pinned[0].numel() <= budget  # allocated once
     assert len(fake_cuda.device) == 1
+
+
+def test_simulated_pipeline_a_failed_read_stops_the_load_and_its_reader(tmp_path, fake_cuda, monkeypatch):
+    """A read that fails in the reader thread fails the load (no hang, no later batch placed), and
+    the reader thread is gone before the pinned buffer goes back to the pool."""
+    import threading
+
+    saved = {f"w{i}": torch.randn(256, 256) for i in range(6)}
+    C.save(saved, C.make_writer("fast", tmp_path))
+    dest = {k: torch.zeros(256, 256) for k in saved}
+    real_place = G.place_on_gpu
+    reads = []
+
+    def failing_place(pieces, half_budget, request_cost, stats, read):
+        def flaky(tables):
+            reads.append(len(tables))
+            if len(reads) == 3:
+                raise OSError(5, "injected read error")
+            read(tables)
+
+        return real_place(pieces, half_budget, request_cost, stats, flaky)
+
+    monkeypatch.setattr(G, "place_on_gpu", failing_place)
+    with pytest.raises(BaseException, match="injected read error"):
+        dcp.load(dest, storage_reader=FastFileSystemReader(tmp_path, memory_budget_bytes=200 << 10), no_dist=True)
+    assert len(reads) == 3, "no read after the failed one"
+    assert not [t for t in threading.enumerate() if t.name.startswith("fastdcp-gpu-read")]
+    assert ("release-pinned",) in fake_cuda.ops
 
 
 # --------------------------------------------------------------------------------------------- #

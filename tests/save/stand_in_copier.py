@@ -21,6 +21,10 @@ class DeferredCopier:
         dst.fill_(0xEE)  # what the slot holds until the "transfer" lands
         self.pending.append((self.tokens, dst, src))
 
+    def copy_many(self, pairs) -> None:
+        for dst, src in pairs:
+            self.copy(dst, src)
+
     def record(self) -> int:
         self.tokens += 1
         return self.tokens - 1
