@@ -381,6 +381,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
       },
       py::arg("files"), py::arg("data_only") = false)
     .def(
+      "box_copy_table",
+      [](Engine& engine, uint64_t table, int64_t num_boxes) {
+        if (num_boxes < 0) { throw py::value_error("negative box count"); }
+        if (num_boxes > 0 && table == 0) { throw py::value_error("null box table"); }
+        py::gil_scoped_release release;
+        fastdcp::box_copy_cpu(reinterpret_cast<const fastdcp::BoxCopy*>(address(table)),
+                              static_cast<size_t>(num_boxes), engine.pool());
+      },
+      py::arg("table_address"), py::arg("num_boxes"),
+      "Copy num_boxes packed BoxCopy descriptors (host memory, the layout prepare_boxes and the "
+      "CUDA kernel take) on the engine's threads, as box_copy does with tuples. Raises ValueError "
+      "naming the first invalid box before any byte moves.")
+    .def(
       "box_copy",
       [](Engine& engine, const py::list& boxes, bool streaming, bool prefault) {
         // boxes: [(src_addr, dst_addr, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride)]

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-devices", type=_csv,
                    help="train_loop and tiered: cpu and/or cuda (default cpu, and cuda when available)")
     p.add_argument("--device", choices=("cuda", "cpu-standin"),
-                   help="the device of the gpu_save and gpu_async* scenarios: cuda (default; skipped without "
+                   help="the device of the gpu_* scenarios: cuda (default; skipped without "
                         "CUDA) or cpu-standin: CPU tensors in stand-in device memory, copied to the host by "
                         "the stand-in copy engine (a memcpy on a thread of its own), so the device pipeline "
                         "runs on a machine without a GPU; limits d2h/h2d are then the memcpy probe")

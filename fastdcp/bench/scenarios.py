@@ -962,11 +962,13 @@ def run_gpu_save(ctx: Context, wheres: list[str]) -> None:
 
 
 def run_gpu_load(ctx: Context, wheres: list[str]) -> None:
-    if device_kind(ctx) != "cuda":
-        ctx.note("gpu_load skipped: it needs CUDA (loads into stand-in device tensors are CPU loads)")
+    kind = device_kind(ctx)
+    if kind is None:
+        ctx.note("gpu_load skipped: CUDA is not available (--device cpu-standin runs it on the stand-in device)")
         return
     spec, src, _ = ctx.main_state()
-    dest = build_destination(spec, device="cuda")
+    dest = build_destination(spec, device="cuda") if kind == "cuda" else {
+        k: to_device(v, kind) for k, v in build_destination(spec).items()}
     nbytes = spec.tensor_bytes
     for where in wheres:
         for system in ctx.systems:
@@ -982,15 +984,16 @@ def run_gpu_load(ctx: Context, wheres: list[str]) -> None:
                     else:
                         warm_files(path)
                     mode: dict[str, Any] = {}
-                    dt = timed_load(system, dest, path, sync_cuda=True,
+                    dt = timed_load(system, dest, path, sync_cuda=kind == "cuda",
                                     planner=ctx.planner(system, "load", f"gpu_load/{where}"), mode_out=mode)
                     check(ctx, system, src, dest, f"gpu_load/{where}/{cache}")
-                    ctx.recorder.add("gpu_load", where, system.name, {"device": "cuda", "cache": cache}, nbytes,
-                                     dt, f"min(h2d,{load_limit(where, tmpfs, cache)})", system.description,
-                                     **phases_extra(mode))
-                    _log(ctx, "gpu_load", where, system.name, f"cuda {cache}", rep, dt, nbytes)
+                    ctx.recorder.add("gpu_load", where, system.name, {"device": kind, "cache": cache}, nbytes,
+                                     dt, f"min({device_limit(kind, 'h2d')},{load_limit(where, tmpfs, cache)})",
+                                     system.description, **phases_extra(mode))
+                    _log(ctx, "gpu_load", where, system.name, f"{kind} {cache}", rep, dt, nbytes)
     del dest
-    torch.cuda.empty_cache()
+    if kind == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_checkpoint_load(ctx: Context, checkpoint: str, dir_where: str | None) -> None:

@@ -36,16 +36,20 @@ import struct
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from .. import _C
+from ..io.copy_engine import is_standin_device_tensor
 from ..io.phases import span
 from ..io.pinned_pool import PinnedLease, lease_pinned
 from .pieces import MAX_BOX_DIMS, RAW, STAGING_ALIGN, Piece, split_to_budget, staged_read_table
 
-__all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES", "SLOTS"]
+__all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES", "SLOTS", "STANDIN"]
+
+# The device key of stand-in device destinations (fastdcp.io.copy_engine).
+STANDIN = "standin"
 
 # Slots of pinned staging a load cycles through: reads of up to SLOTS - 1 batches run ahead of the
 # batch being uploaded, so the storage queue never drains at a batch boundary.
@@ -135,17 +139,163 @@ def _new_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 
 def place_on_gpu(pieces: list[Piece], half_budget: int, request_cost: int, stats: dict,
                  read: Callable[[list[tuple]], None]) -> None:
-    """Read and place every piece (CUDA destinations); returns once every copy is complete on the
-    device (any stream sees the bytes). ``read`` reads run tables as ``run_placements`` does."""
-    by_device: dict[torch.device, list[Piece]] = defaultdict(list)
+    """Read and place every piece (CUDA or stand-in device destinations); returns once every copy
+    is complete on the device (any stream sees the bytes). ``read`` reads run tables as
+    ``run_placements`` does."""
+    by_device: dict[torch.device | str, list[Piece]] = defaultdict(list)
     for piece in pieces:
-        by_device[piece.dest.device].append(piece)
+        by_device[STANDIN if is_standin_device_tensor(piece.dest) else piece.dest.device].append(piece)
     for device, device_pieces in by_device.items():
-        with torch.cuda.device(device):
-            _place_on_device(device, device_pieces, half_budget, request_cost, stats, read)
+        ops = _CudaDevice(device) if device != STANDIN else _StandInDevice()
+        with ops.context():
+            _place_on_device(ops, device_pieces, half_budget, request_cost, stats, read)
 
 
-def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int, request_cost: int,
+class _CudaDevice:
+    """The device operations of the pipeline on one CUDA device: streams, events, the kernel."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def context(self) -> Any:
+        return torch.cuda.device(self.device)
+
+    def streams(self) -> tuple[Any, Any]:
+        """(current, side): the side stream first waits for the current one."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(current)  # pending work on the destinations comes first
+        return current, side
+
+    def buffer(self, nbytes: int, side: Any) -> torch.Tensor:
+        with torch.cuda.stream(side):
+            # Allocated on the side stream: the caching allocator reuses it only in that stream's order.
+            return _new_device_buffer(nbytes, self.device)
+
+    def upload(self, side: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Enqueue ``dst.copy_(src)`` on ``side``; returns an event recorded after it."""
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return event
+
+    def launch(self, side: Any, table: int, prefix: int, num_boxes: int, total: int, any_conversion: bool) -> None:
+        _C.launch_box_copy(table, prefix, num_boxes, total, side.cuda_stream, any_conversion=any_conversion)
+
+    def fallback_copy(self, side: Any, dest: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(side):
+            dest.copy_(src)
+
+    def finish(self, current: Any, side: Any) -> None:
+        """``current`` ordered after ``side``; the host waits for an event after its last work."""
+        current.wait_stream(side)
+        finished = torch.cuda.Event()
+        finished.record(side)
+        with span("h2d_wait"):
+            finished.synchronize()
+
+    def abort(self, side: Any) -> None:
+        side.synchronize()
+
+
+class _StandInStream:
+    """An ordered queue of work run by a thread of its own: the stand-in device's side stream."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self._queue: Any = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fastdcp-standin-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            if self.error is None or isinstance(work, threading.Event):
+                try:
+                    work.set() if isinstance(work, threading.Event) else work()
+                except BaseException as error:  # reported by the next wait
+                    self.error = error
+
+    def enqueue(self, work: Any) -> None:
+        self._queue.put(work)
+
+    def record(self) -> "_StandInEvent":
+        event = threading.Event()
+        self._queue.put(event)
+        return _StandInEvent(event, self)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class _StandInEvent:
+    def __init__(self, event: threading.Event, stream: _StandInStream) -> None:
+        self._event, self._stream = event, stream
+
+    def synchronize(self) -> None:
+        self._event.wait()
+        if self._stream.error is not None:
+            raise RuntimeError(f"fastdcp: a stand-in device copy failed: {self._stream.error}") from self._stream.error
+
+
+class _StandInDevice:
+    """The pipeline's device operations on the stand-in device (``fastdcp.io.copy_engine``): the
+    side stream is a thread running uploads (memcpy), the kernel (the native box copy over the
+    same packed descriptors, on engine threads) and fallback copies in order."""
+
+    def context(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def streams(self) -> tuple[Any, Any]:
+        return None, _StandInStream()  # the host's order is the "current stream": nothing pending
+
+    def buffer(self, nbytes: int, side: Any) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def upload(self, side: _StandInStream, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        side.enqueue(lambda: dst.copy_(src))
+        return side.record()
+
+    def launch(self, side: _StandInStream, table: int, prefix: int, num_boxes: int, total: int,
+               any_conversion: bool) -> None:
+        side.enqueue(lambda: _standin_engine().box_copy_table(table, num_boxes))
+
+    def fallback_copy(self, side: _StandInStream, dest: torch.Tensor, src: torch.Tensor) -> None:
+        side.enqueue(lambda: dest.copy_(src))
+
+    def finish(self, current: Any, side: _StandInStream) -> None:
+        with span("h2d_wait"):
+            side.record().synchronize()
+        side.close()
+
+    def abort(self, side: _StandInStream) -> None:
+        side.close()
+
+
+_standin_engines: dict[int, Any] = {}
+
+
+def _standin_engine() -> Any:
+    """The native engine that runs the stand-in device's box copies (one per process)."""
+    import os
+
+    engine = _standin_engines.get(os.getpid())
+    if engine is None:
+        from ..io.engine import default_copy_threads
+
+        engine = _standin_engines[os.getpid()] = _C.Engine(max(2, default_copy_threads()), 1 << 20)
+    return engine
+
+
+def _place_on_device(ops: Any, pieces: list[Piece], half_budget: int, request_cost: int,
                      stats: dict, read: Callable[[list[tuple]], None]) -> None:
     # The reader's staging budget (two halves) is cut into SLOTS slots; a batch fills one. A window
     # piece too large for a slot (less room for its descriptor) becomes staged parts read from the file.
@@ -172,16 +322,14 @@ def _place_on_device(device: torch.device, pieces: list[Piece], half_budget: int
     largest = max(_align(_batch_bytes(sum(_align(p.span_nbytes) for p, _ in b), len(b))) for b in batches)
     slots = min(SLOTS, len(batches))
 
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(current)  # pending work on the destinations comes first
+    current, side = ops.streams()
     with span("pin"):
         lease = _new_pinned(largest * slots)
     try:
-        _run_batches(device, len(work), batches, slots, largest, lease.tensor[: largest * slots], side, current,
+        _run_batches(ops, len(work), batches, slots, largest, lease.tensor[: largest * slots], side, current,
                      stats, read, request_cost)
     except BaseException:
-        side.synchronize()  # no copy may still read the buffer when it goes back to the pool
+        ops.abort(side)  # no copy may still read the buffer when it goes back to the pool
         lease.release()
         raise
     lease.release()
@@ -191,18 +339,15 @@ class _Cancelled(Exception):
     """The load stopped (an error elsewhere): the reader thread reads no further batch."""
 
 
-def _run_batches(device: torch.device, pieces: int, batches: list, slots: int, largest: int, pinned: torch.Tensor,
-                 side: "torch.cuda.Stream", current: "torch.cuda.Stream", stats: dict,
-                 read: Callable[[list[tuple]], None], request_cost: int) -> None:
+def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int, pinned: torch.Tensor,
+                 side: Any, current: Any, stats: dict, read: Callable[[list[tuple]], None], request_cost: int) -> None:
     """Steps 1-5 of the module docstring for ``batches``, through ``pinned`` (``slots`` slots of
     ``largest`` bytes): a reader thread reads batch k into slot ``k % slots`` as soon as the upload
     of batch ``k - slots`` from it has completed, while this thread packs, uploads and places the
     batches read before. Returns once every copy and kernel of the load is complete; on an error,
     once the reader thread has stopped (no read still writes into ``pinned``)."""
-    with torch.cuda.stream(side):
-        # Allocated on the side stream: the caching allocator reuses it only in that stream's order.
-        device_staging = _new_device_buffer(largest, device)
-    uploaded: list[torch.cuda.Event | None] = [None] * len(batches)
+    device_staging = ops.buffer(largest, side)
+    uploaded: list[Any] = [None] * len(batches)
     recorded = [threading.Event() for _ in batches]  # set once uploaded[k] exists (or the load stops)
     stopping = threading.Event()
     stats["gpu_pieces"] = stats.get("gpu_pieces", 0) + pieces
@@ -276,19 +421,17 @@ def _run_batches(device: torch.device, pieces: int, batches: list, slots: int, l
             else:
                 upload_bytes = data_bytes
 
-            with span("h2d_issue"), torch.cuda.stream(side):
-                device_staging[:upload_bytes].copy_(pinned[slot_offset : slot_offset + upload_bytes],
-                                                    non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(side)
-                uploaded[index] = event
+            with span("h2d_issue"):
+                uploaded[index] = ops.upload(side, device_staging[:upload_bytes],
+                                             pinned[slot_offset : slot_offset + upload_bytes])
                 recorded[index].set()
                 if boxes and total:
-                    _C.launch_box_copy(device_base + table_offset, device_base + prefix_offset, len(boxes), total,
-                                       side.cuda_stream, any_conversion=any(b[2] != b[3] for b in boxes))
+                    ops.launch(side, device_base + table_offset, device_base + prefix_offset, len(boxes), total,
+                               any(b[2] != b[3] for b in boxes))
                 for piece, offset in fallbacks:
                     raw = device_staging[offset : offset + piece.span_nbytes].view(piece.src_dtype)
-                    piece.dest.copy_(raw.as_strided(piece.shape, piece.src_stride, raw.storage_offset()))
+                    ops.fallback_copy(side, piece.dest, raw.as_strided(piece.shape, piece.src_stride,
+                                                                       raw.storage_offset()))
             stats["gpu_kernel_boxes"] += len(boxes)
             stats["gpu_fallback_copies"] += len(fallbacks)
     except BaseException:
@@ -302,13 +445,8 @@ def _run_batches(device: torch.device, pieces: int, batches: list, slots: int, l
     # Ready on any stream: the load returns once its last upload and kernel are complete, so that
     # every stream (another compute stream, NCCL's) and the host see the loaded bytes, as after
     # stock's load, with no wait of their own (docs/GUARANTEES.md). This waits for the last batch;
-    # the earlier uploads were waited for by the reader before it refilled their slots. `current` is also ordered
-    # after the copies, for work queued on it before this returns.
-    current.wait_stream(side)
-    finished = torch.cuda.Event()
-    finished.record(side)
-    with span("h2d_wait"):
-        finished.synchronize()
-    # Every copy from `pinned` has completed: the caller gives it back to the pool.
-    # `device_staging` was allocated on `side`, so the caching allocator reuses it in stream order.
-
+    # the earlier uploads were waited for by the reader before it refilled their slots. `current`
+    # is also ordered after the copies, for work queued on it before this returns. Every copy from
+    # `pinned` has completed then: the caller gives it back to the pool. `device_staging` was
+    # allocated on `side`, so the caching allocator reuses it in stream order.
+    ops.finish(current, side)

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from .. import _C
 from ..io.engine import IoOptions
+from ..io.copy_engine import is_standin_device_tensor
 from . import gpu_placement
 from .pieces import (
     MAX_BOX_DIMS,
@@ -90,17 +91,20 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
     boxes: list[tuple] = []
     run_tables: list[tuple] = []
     staged: list[Piece] = []
-    # --- GPU destinations (fastdcp/load/gpu_placement.py): pieces for CUDA tensors are collected and
-    # placed by the CUDA kernel when the extension has it; otherwise they take the paths below
-    # (Tensor.copy_ from host memory).
+    # --- Device destinations (fastdcp/load/gpu_placement.py): pieces for CUDA tensors are collected
+    # and placed by the CUDA kernel when the extension has it (otherwise they take the paths below,
+    # Tensor.copy_ from host memory); pieces for stand-in device tensors (fastdcp/io/copy_engine.py)
+    # go through the same pipeline on the stand-in device.
     gpu_pieces: list[Piece] = []
-    use_gpu = any(p.dest.device.type == "cuda" for pl in placements for p in pl.pieces)
-    use_gpu = use_gpu and gpu_placement.gpu_placement_available()
-    # --- end GPU destinations
+    use_gpu = gpu_placement.gpu_placement_available()
+
+    def on_device(dest: torch.Tensor) -> bool:
+        return (use_gpu and dest.device.type == "cuda") or is_standin_device_tensor(dest)
+    # --- end device destinations
     for placement in placements:
         for piece in placement.pieces:
             stats["bytes_needed"] += math.prod(piece.shape) * piece.src_dtype.itemsize
-            if use_gpu and piece.dest.device.type == "cuda":  # GPU destinations
+            if on_device(piece.dest):  # device destinations
                 stats["window_pieces"] += int(piece.mode == "window")
                 gpu_pieces.append(piece)
             elif piece.mode == "window":
