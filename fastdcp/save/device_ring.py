@@ -14,10 +14,13 @@ that many files at once (tmpfs and buffered filesystems serialise the writers of
 batch ``b``:
 
 1. the device pieces of its ranges are copied into free slots with asynchronous copies (a
-   :class:`~fastdcp.io.copy_engine.Copier`: on a GPU a side stream that first waits for the work
-   already queued on the tensors' current stream), and a token is recorded per range;
+   :class:`~fastdcp.io.copy_engine.Copier`, all pieces of a range in one ``copy_many``: on a GPU a
+   side stream that first waits for the work already queued on the tensors' current stream), and a
+   token is recorded per range;
 2. the ranges after it are copied ahead into the slots still free;
-3. the host waits for the batch's tokens and writes the batch, while the copies ahead still run.
+3. the host waits for the batch's tokens and hands the batch to a write lane (a thread calling the
+   engine); with ``writes_in_flight`` lanes the engine holds the next batch's tasks while it
+   finishes the current one, so its threads never wait for the slowest write of a batch.
 
 A slot is refilled only after the write of the range it held has returned. Ranges without device
 bytes take no slot and wait for nothing. The ring is ``slots * slot_bytes`` bytes of pinned memory
@@ -27,6 +30,8 @@ reuses the memory of the previous one.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,15 +141,23 @@ def interleave(ranges: list[RangeJob]) -> list[RangeJob]:
 
 
 def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob], ring: DeviceRing, copier: Copier,
-                        batch: int = 1) -> None:
+                        batch: int = 1, writes_in_flight: int = 1) -> None:
     """Write every range (see the module docstring): ranges round-robin by file, ``batch`` ranges
-    per engine call, copies ahead into every free slot. Precondition: ``1 <= batch <= ring.slots``."""
-    if not 1 <= batch <= ring.slots:
-        raise ValueError(f"a batch of {batch} ranges needs 1..{ring.slots} slots")
+    per engine call, up to ``writes_in_flight`` engine calls at once (each on a thread of its own;
+    the engine queues their tasks, so its threads go from one batch to the next without waiting for
+    the slowest write of a batch), copies ahead into every free slot. Returns once every range is
+    written; on an error, once no write still reads a slot.
+    Preconditions: ``1 <= batch`` and ``writes_in_flight * batch <= ring.slots``."""
+    if batch < 1 or writes_in_flight < 1 or writes_in_flight * batch > ring.slots:
+        raise ValueError(f"{writes_in_flight} writes in flight of a batch of {batch} ranges need "
+                         f"{writes_in_flight * batch} slots, the ring has {ring.slots}")
     order = interleave(ranges)
     free = list(range(ring.slots))
     slot_of: dict[int, int] = {}
     tokens: dict[int, Any] = {}
+    writing: deque[tuple[Any, range]] = deque()  # (future, the ranges it writes), oldest first
+    lanes = ThreadPoolExecutor(max_workers=writes_in_flight, thread_name_prefix="fastdcp-ring-write") \
+        if writes_in_flight > 1 else None
     issued = 0
 
     def issue(k: int) -> bool:
@@ -161,29 +174,57 @@ def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob],
         tokens[k] = copier.record()
         return True
 
-    pos = 0
-    while pos < len(order):
-        end = min(pos + batch, len(order))
-        # This batch first (its slots are free: the previous batch gave them back), then ahead.
-        with span("d2h_issue"):
-            while issued < len(order) and issue(issued):
-                issued += 1
-        if issued < end:
-            raise AssertionError("fastdcp: the device ring has fewer free slots than a batch")
-        jobs = []
-        for k in range(pos, end):
-            job = order[k]
-            segments = list(job.segments)
-            if job.device:
-                with span("d2h_wait"):
-                    copier.wait(tokens.pop(k))
-                base = ring.slot(slot_of[k]).data_ptr()
-                segments += [(offset, base + offset - job.start, source.numel()) for offset, source in job.device]
-                segments.sort(key=lambda s: s[0])
-            jobs.append((handles[job.file_index], job.start, job.end, segments))
+    def retire_oldest() -> None:
+        """Wait for the oldest write in flight and give its slots back."""
+        future, written = writing.popleft()
         with span("write"):
-            engine.write(jobs)
-        for k in range(pos, end):
+            future.result()
+        for k in written:
             if k in slot_of:
                 free.append(slot_of.pop(k))
-        pos = end
+
+    def write(jobs: list[tuple], written: range) -> None:
+        if lanes is None:
+            with span("write"):
+                engine.write(jobs)
+            for k in written:
+                if k in slot_of:
+                    free.append(slot_of.pop(k))
+            return
+        writing.append((lanes.submit(engine.write, jobs), written))
+
+    try:
+        pos = 0
+        while pos < len(order):
+            end = min(pos + batch, len(order))
+            # This batch first (waiting for the oldest writes to give slots back), then ahead.
+            while issued < end:
+                with span("d2h_issue"):
+                    while issued < len(order) and issue(issued):
+                        issued += 1
+                if issued < end:
+                    if not writing:
+                        raise AssertionError("fastdcp: the device ring has fewer free slots than a batch")
+                    retire_oldest()
+            jobs = []
+            for k in range(pos, end):
+                job = order[k]
+                segments = list(job.segments)
+                if job.device:
+                    with span("d2h_wait"):
+                        copier.wait(tokens.pop(k))
+                    base = ring.slot(slot_of[k]).data_ptr()
+                    segments += [(offset, base + offset - job.start, source.numel()) for offset, source in job.device]
+                    segments.sort(key=lambda s: s[0])
+                jobs.append((handles[job.file_index], job.start, job.end, segments))
+            write(jobs, range(pos, end))
+            while len(writing) >= writes_in_flight:
+                retire_oldest()
+            pos = end
+        while writing:
+            retire_oldest()
+    finally:
+        if lanes is not None:
+            for future, _ in writing:
+                future.exception()  # wait: no write may still read a slot (the first error is raised above)
+            lanes.shutdown(wait=True)

@@ -71,8 +71,11 @@ except ImportError:  # pragma: no cover - older torch
 __all__ = ["FastFileSystemWriter"]
 
 _DEFAULT_RING_BYTES = 256 << 20
-_RING_SLOTS = 4  # the fewest slots of a ring: two batches of two files
+_RING_SLOTS = 4  # the fewest slots of a ring
 _MIN_SLOT_BYTES = 4 << 20  # a ring batches fewer files rather than use smaller slots
+# Engine calls of the ring in flight at once: the engine's threads go on to the next batch's tasks
+# while the last tasks of a batch finish, so the storage queue does not drain at batch boundaries.
+_WRITES_IN_FLIGHT = 2
 _STOCK_INIT_PARAMS = frozenset(inspect.signature(FileSystemWriter.__init__).parameters)
 
 
@@ -88,15 +91,16 @@ def _make_copier() -> Any:
     return DeviceCopier()
 
 
-def ring_shape(budget: int, files: int, threads: int) -> tuple[int, int, int]:
-    """``(slot_bytes, slots, batch)`` of the ring for a save of ``files`` files with device bytes
-    written by ``threads`` engine threads within ``budget`` bytes: batches of up to ``threads``
-    files (fewer when slots would fall under 4 MiB), two batches of slots so one is copied while
-    the other is written, at least :data:`_RING_SLOTS` slots."""
-    batch = max(1, min(files, threads, budget // (2 * _MIN_SLOT_BYTES)))
-    slots = max(_RING_SLOTS, 2 * batch)
+def ring_shape(budget: int, files: int, threads: int) -> tuple[int, int, int, int]:
+    """``(slot_bytes, slots, batch, writes_in_flight)`` of the ring for a save of ``files`` files
+    with device bytes written by ``threads`` engine threads within ``budget`` bytes: batches of up
+    to ``threads`` files (fewer when slots would fall under 4 MiB), :data:`_WRITES_IN_FLIGHT`
+    batches being written while the next one is copied, at least :data:`_RING_SLOTS` slots."""
+    sets = _WRITES_IN_FLIGHT + 1
+    batch = max(1, min(files, threads, budget // (sets * _MIN_SLOT_BYTES)))
+    slots = max(_RING_SLOTS, sets * batch)
     slot_bytes = max(DIRECT_ALIGN, budget // slots // DIRECT_ALIGN * DIRECT_ALIGN)
-    return slot_bytes, slots, min(batch, slots)
+    return slot_bytes, slots, batch, _WRITES_IN_FLIGHT
 
 
 class FastFileSystemWriter(FileSystemWriter):
@@ -502,7 +506,7 @@ class FastFileSystemWriter(FileSystemWriter):
         """Write files holding device tensor bytes: device-to-host copies into a pinned ring leased
         for this save, overlapped with the writes of the slots before, several files per engine
         call (``fastdcp.save.device_ring``)."""
-        slot_bytes, slots, batch = ring_shape(self.memory_budget_bytes, len(files), self._write_threads())
+        slot_bytes, slots, batch, in_flight = ring_shape(self.memory_budget_bytes, len(files), self._write_threads())
         ranges = [
             job
             for index, f in files
@@ -512,7 +516,7 @@ class FastFileSystemWriter(FileSystemWriter):
             lease = lease_pinned(slot_bytes * slots)
         with lease:
             ring = DeviceRing(slot_bytes, slots, lease.tensor)
-            write_device_images(engine, handles, ranges, ring, _make_copier(), batch=batch)
+            write_device_images(engine, handles, ranges, ring, _make_copier(), batch=batch, writes_in_flight=in_flight)
 
     # ----------------------------------------------------------------------------------------- #
     # Commit: atomic metadata swap, then cleanup.

@@ -126,12 +126,14 @@ class _RecordingEngine:
 
 
 @pytest.mark.parametrize("files", [1, 3, 5])
-@pytest.mark.parametrize("slots,batch", [(2, 1), (2, 2), (4, 2), (6, 3), (8, 4)])
-def test_ring_writes_several_files_per_engine_call(tmp_path, files, slots, batch):
-    """Ranges of different files go to the engine together (up to ``batch`` per call), each file's
-    bytes exact: a slot refilled before its range was written, or a range written before its copy
-    landed, would show as poisoned bytes (the deferred copier)."""
-    rng = random.Random(files * 100 + slots * 10 + batch)
+@pytest.mark.parametrize("slots,batch,in_flight", [(2, 1, 1), (2, 2, 1), (4, 2, 1), (6, 3, 1), (8, 4, 1),
+                                                   (2, 1, 2), (6, 2, 2), (9, 3, 2), (12, 3, 3)])
+def test_ring_writes_several_files_per_engine_call(tmp_path, files, slots, batch, in_flight):
+    """Ranges of different files go to the engine together (up to ``batch`` per call, up to
+    ``in_flight`` calls at once from write lanes), each file's bytes exact: a slot refilled before
+    its range was written, or a range written before its copy landed, would show as poisoned bytes
+    (the deferred copier)."""
+    rng = random.Random(files * 1000 + slots * 100 + batch * 10 + in_flight)
     images = [_random_image(rng, rng.choice([30_000, 120_000, 400_000])) for _ in range(files)]
     ring = _ring(DIRECT_ALIGN * 4, slots)
     copier = DeferredCopier()
@@ -141,7 +143,7 @@ def test_ring_writes_several_files_per_engine_call(tmp_path, files, slots, batch
     try:
         ranges = [job for i, (segments, device, size) in enumerate(images)
                   for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
-        write_device_images(engine, handles, ranges, ring, copier, batch=batch)
+        write_device_images(engine, handles, ranges, ring, copier, batch=batch, writes_in_flight=in_flight)
         for handle, (_, _, size) in zip(handles, images):
             handle.truncate(size)
     finally:
@@ -166,14 +168,67 @@ def test_interleave_takes_files_round_robin():
 def test_a_batch_larger_than_the_ring_is_refused():
     with pytest.raises(ValueError, match="batch"):
         write_device_images(None, [], [], _ring(DIRECT_ALIGN, 2), DeferredCopier(), batch=3)
+    with pytest.raises(ValueError, match="in flight"):
+        write_device_images(None, [], [], _ring(DIRECT_ALIGN, 4), DeferredCopier(), batch=3, writes_in_flight=2)
+
+
+class _FailingEngine:
+    """Writes through the real engine, except the ``fail_at``-th call, which raises after a delay
+    (while later writes may be in flight)."""
+
+    def __init__(self, engine, fail_at: int) -> None:
+        self.engine, self.fail_at, self.calls, self.active, self.most = engine, fail_at, 0, 0, 0
+        import threading
+
+        self.lock = threading.Lock()
+
+    def write(self, jobs) -> None:
+        import time
+
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+            self.active += 1
+            self.most = max(self.most, self.active)
+        try:
+            time.sleep(0.01)
+            if call == self.fail_at:
+                raise OSError(28, "No space left on device (injected)")
+            self.engine.write(jobs)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_a_failed_write_is_raised_after_every_lane_stopped(tmp_path, in_flight):
+    import threading
+
+    rng = random.Random(7)
+    images = [_random_image(rng, 400_000) for _ in range(3)]
+    ring = _ring(DIRECT_ALIGN * 4, 3 * (in_flight + 1))
+    engine = _FailingEngine(get_engine(IoOptions.resolve(direct_io=False, default_direct_io=False, io_threads=4,
+                                                         task_bytes=None)), fail_at=3)
+    handles = [_C.File(str(tmp_path / f"image{i}"), "w", False) for i in range(3)]
+    try:
+        ranges = [job for i, (segments, device, size) in enumerate(images)
+                  for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
+        with pytest.raises(OSError, match="injected"):
+            write_device_images(engine, handles, ranges, ring, DeferredCopier(), batch=3, writes_in_flight=in_flight)
+    finally:
+        for handle in handles:
+            handle.close()
+    assert engine.active == 0, "a write lane still ran after the error was raised"
+    assert engine.most == in_flight
+    assert not [t for t in threading.enumerate() if t.name.startswith("fastdcp-ring-write")]
 
 
 @pytest.mark.parametrize("budget,files,threads", [(256 << 20, 8, 8), (256 << 20, 1, 8), (256 << 20, 16, 4),
                                                   (16 * DIRECT_ALIGN, 8, 8), (32 << 20, 8, 8)])
 def test_ring_shape_fits_the_budget(budget, files, threads):
-    slot_bytes, slots, batch = ring_shape(budget, files, threads)
+    slot_bytes, slots, batch, in_flight = ring_shape(budget, files, threads)
     assert slot_bytes % DIRECT_ALIGN == 0 and slot_bytes * slots <= max(budget, slots * DIRECT_ALIGN)
-    assert 1 <= batch <= min(files, threads) and 2 * batch <= slots
+    assert 1 <= batch <= min(files, threads) and (in_flight + 1) * batch <= slots and in_flight >= 1
     if budget >= (256 << 20):
         assert batch == min(files, threads), "the default budget writes a file per thread at once"
 
