@@ -114,6 +114,9 @@ def build_model(hidden: int) -> nn.Module:
     )
 
 
+MAX_BATCH = 4096  # samples per forward pass; beyond it a step takes several micro-batches
+
+
 class SyntheticTraining:
     """Model, AdamW and a fixed batch: every step does the same matrix products."""
 
@@ -128,6 +131,7 @@ class SyntheticTraining:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self._gen = gen
         self.batch = 0
+        self.micro_steps = 1  # forward/backward passes per step (gradient accumulation)
         self.set_batch(8)
 
     def set_batch(self, batch: int) -> None:
@@ -148,7 +152,8 @@ class SyntheticTraining:
             torch.cuda.synchronize()
 
     def step(self) -> None:
-        self.forward_backward()
+        for _ in range(self.micro_steps):
+            self.forward_backward()
         self.optimizer_step()
         self.sync()
 
@@ -183,9 +188,15 @@ class SyntheticTraining:
                 batch = b1
             else:
                 batch = int(round((target_s - (t0 - b0 * per)) / per))
-            batch = max(MIN_BATCH, min(4096, batch))
+            batch = max(MIN_BATCH, min(MAX_BATCH, batch))
         self.set_batch(batch)
-        return statistics.median(self.timed_steps(3))
+        step = statistics.median(self.timed_steps(3))
+        if batch >= MAX_BATCH and step < 0.5 * target_s:
+            # A fast device: the largest batch is still a short step, so a step accumulates
+            # gradients over several micro-batches, as training with a large global batch does.
+            self.micro_steps = max(1, min(1000, math.ceil(target_s / max(step, 1e-6))))
+            step = statistics.median(self.timed_steps(3))
+        return step
 
     def state_bytes(self) -> int:
         total = 0
@@ -751,14 +762,15 @@ def _run_device(ctx: Context, wheres: list[str], device: str, systems: list[Loop
     step_s = trainer.calibrate(c.train_step_ms / 1e3, c.train_batch)
     nbytes = trainer.state_bytes()
     ctx.progress(f"{SCENARIO} {device}: hidden {trainer.hidden}, state {fmt_size(nbytes)} (model + AdamW), "
-                 f"batch {trainer.batch}, step {1e3 * step_s:.1f} ms; {steps} steps, async_save every {every} "
-                 f"({steps // every} checkpoints) per loop")
+                 f"batch {trainer.batch} x {trainer.micro_steps} micro-batches, step {1e3 * step_s:.1f} ms; "
+                 f"{steps} steps, async_save every {every} ({steps // every} checkpoints) per loop")
     if steps // every < 1:
         ctx.note(f"{SCENARIO}: --train-steps {steps} < --train-every {every}: the loops take no checkpoint")
     if not c.train_batch and not (0.5 * c.train_step_ms <= 1e3 * step_s <= 1.5 * c.train_step_ms):
         ctx.note(f"{SCENARIO} {device}: a step takes {1e3 * step_s:.0f} ms at batch {trainer.batch} (target "
                  f"{c.train_step_ms:.0f} ms; AdamW over {fmt_size(nbytes)} alone may take longer)")
-    extra_loop = {"batch": trainer.batch, "hidden": trainer.hidden, "calibrated_step_seconds": step_s,
+    extra_loop = {"batch": trainer.batch, "micro_steps": trainer.micro_steps, "hidden": trainer.hidden,
+                  "calibrated_step_seconds": step_s,
                   "steps": steps, "every": every}
     snapshots = SnapshotStore(ctx, (steps // every) * nbytes, ctx.targets[wheres[0]])
     live = list(systems)

@@ -254,3 +254,22 @@ def test_other_processes_cpu_is_measured():
                     "while time.perf_counter() - t < 0.5: pass"], check=True)
     others, share = meter.stop()
     assert others >= 0.3 and 0 < share <= 1
+
+
+def test_a_fast_device_reaches_the_step_time_with_micro_batches(monkeypatch):
+    """When the largest batch still makes a short step (a fast GPU), calibration makes each step
+    accumulate several micro-batches, so the loop's step is the asked-for time and a checkpoint's
+    slowdown is measured against real work."""
+    from fastdcp.bench import training_loop as T
+
+    trainer = T.SyntheticTraining(1 << 20)
+    monkeypatch.setattr(T, "MAX_BATCH", 32)
+    passes = []
+    real = trainer.forward_backward
+    monkeypatch.setattr(trainer, "forward_backward", lambda: (passes.append(1), real())[1])
+    step = trainer.calibrate(target_s=0.2)
+    assert trainer.batch == 32 and trainer.micro_steps > 1
+    assert step >= 0.05, f"{step * 1e3:.1f} ms: the micro-batches did not lengthen the step"
+    passes.clear()
+    trainer.step()
+    assert len(passes) == trainer.micro_steps
