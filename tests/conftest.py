@@ -32,7 +32,14 @@ for _p in (_TESTS_DIR, _REPO_ROOT):
         sys.path.insert(0, _p)
 
 
+_XDIST_WORKER = False  # this pytest process is a pytest-xdist worker (its reports reach a controller)
+
+
 def pytest_configure(config):
+    global _XDIST_WORKER
+    # Asked of this process's own config: a pytest started from inside a worker (a test that runs
+    # a suite) inherits the worker's PYTEST_XDIST_WORKER environment but is not a worker.
+    _XDIST_WORKER = hasattr(config, "workerinput")
     config.addinivalue_line(
         "markers",
         "fastdcp_timeout(seconds): per-test wall-clock limit enforced with SIGALRM",
@@ -64,7 +71,7 @@ def pytest_collectreport(report):
 
 def _log_failure(report, when: str) -> None:
     path = os.environ.get("FASTDCP_FAILURE_LOG")
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or not report.failed or _XDIST_WORKER:
         return  # an xdist worker's reports reach the controlling process, which logs them
     with open(path, "a") as log:
         log.write(f"=== {report.nodeid} ({when})\n{report.longreprtext}\n\n")

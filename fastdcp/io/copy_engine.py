@@ -26,6 +26,7 @@ them; without them every CPU tensor takes the host paths.
 
 from __future__ import annotations
 
+import bisect
 import os
 import queue
 import threading
@@ -49,7 +50,9 @@ class Copier(Protocol):
 # -- stand-in device memory ------------------------------------------------------------------ #
 
 _standin_lock = threading.Lock()
-_standin_storages: dict[int, int] = {}  # storage address -> bytes, of stand-in device memory
+# Stand-in device memory: the storages' [start, end) ranges, sorted by start (disjoint: live storages).
+_standin_starts: list[int] = []
+_standin_ends: list[int] = []
 
 
 def _forget_standin_after_fork() -> None:
@@ -58,6 +61,21 @@ def _forget_standin_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_standin_after_fork)
+
+
+def _register(start: int, end: int) -> None:
+    with _standin_lock:
+        i = bisect.bisect_left(_standin_starts, start)
+        _standin_starts.insert(i, start)
+        _standin_ends.insert(i, end)
+
+
+def _unregister(start: int) -> None:
+    with _standin_lock:
+        i = bisect.bisect_left(_standin_starts, start)
+        if i < len(_standin_starts) and _standin_starts[i] == start:
+            del _standin_starts[i]
+            del _standin_ends[i]
 
 
 def to_standin_device(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,20 +89,22 @@ def to_standin_device(tensor: torch.Tensor) -> torch.Tensor:
     storage = copy.untyped_storage()
     start, nbytes = storage.data_ptr(), storage.nbytes()
     if nbytes:
-        with _standin_lock:
-            _standin_storages[start] = nbytes
-        weakref.finalize(copy, _standin_storages.pop, start, None)
+        _register(start, start + nbytes)
+        weakref.finalize(copy, _unregister, start)
     return copy
 
 
 def is_standin_device_tensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s storage is stand-in device memory (:func:`to_standin_device`)."""
-    if not _standin_storages or tensor.device.type != "cpu":
+    """Whether ``tensor``'s bytes lie in stand-in device memory (:func:`to_standin_device`): a
+    binary search of the registered ranges by the tensor's address."""
+    if not _standin_starts or tensor.device.type != "cpu":
         return False
     try:
-        return tensor.untyped_storage().data_ptr() in _standin_storages
+        ptr = tensor.data_ptr()
     except (RuntimeError, NotImplementedError):
         return False
+    i = bisect.bisect_right(_standin_starts, ptr) - 1
+    return i >= 0 and ptr < _standin_ends[i]
 
 
 def is_device_tensor(tensor: torch.Tensor) -> bool:

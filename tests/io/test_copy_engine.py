@@ -29,7 +29,7 @@ def test_standin_tensors_are_device_tensors_while_they_live():
     ptr = dev.data_ptr()
     del dev
     gc.collect()
-    assert ptr not in copy_engine._standin_storages
+    assert ptr not in copy_engine._standin_starts
 
 
 def test_standin_device_refuses_what_is_not_a_dense_cpu_tensor():
