@@ -5,8 +5,10 @@ A file image (see ``fastdcp.save.file_image``) is sorted host segments (blob hea
 *device segments* (device tensor bytes at 4096-aligned file offsets). A file with device segments is
 cut into aligned ranges of at most one ring slot; each slot mirrors its range (a byte at file
 offset ``o`` sits at ``slot + o - range.start``), so device bytes keep their 4096 alignment in host
-memory and the engine writes them without a bounce copy, headers included (they are host segments
-written from their own memory, beside the slot).
+memory; the range's host segments (blob headers, CPU tensor bytes) are copied into the slot beside
+them and its gaps zeroed, so the engine writes the whole range from the slot as one aligned
+segment, with O_DIRECT and no bounce copy (a file's last range up to its next block, zeros the
+writer truncates away).
 
 The ranges of all files are taken round-robin (range 0 of every file, then range 1, ...) and written
 in **batches** of up to ``batch`` ranges, one engine call per batch, so the engine's threads write
@@ -30,11 +32,13 @@ reuses the memory of the previous one.
 
 from __future__ import annotations
 
+import ctypes
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..io.engine import DIRECT_ALIGN
@@ -126,6 +130,33 @@ class DeviceRing:
         return self.memory[base : base + self.slot_bytes]
 
 
+def fill_host_bytes(slot: torch.Tensor, job: RangeJob) -> None:
+    """Make ``slot`` hold the whole range ``job`` but its device pieces (which the copier fills):
+    its host segments copied in at their offsets, every byte no segment or piece covers zeroed.
+    Then the range is written from the slot as one aligned segment (O_DIRECT without a bounce
+    copy). Precondition: the slot is at least ``job.end - job.start`` bytes."""
+    covered: list[tuple[int, int]] = []
+    view = slot.numpy()
+    for segment in job.segments:
+        at = segment[0] - job.start
+        if len(segment) == 2:
+            data = np.frombuffer(segment[1], dtype=np.uint8)
+            view[at : at + data.size] = data
+            covered.append((at, at + data.size))
+        else:
+            ctypes.memmove(slot.data_ptr() + at, segment[1], segment[2])
+            covered.append((at, at + segment[2]))
+    covered += [(offset - job.start, offset - job.start + source.numel()) for offset, source in job.device]
+    covered.sort()
+    at = 0
+    for lo, hi in covered:
+        if lo > at:
+            view[at:lo] = 0
+        at = max(at, hi)
+    if at < job.end - job.start:
+        view[at : job.end - job.start] = 0
+
+
 def interleave(ranges: list[RangeJob]) -> list[RangeJob]:
     """``ranges`` round-robin by file: range 0 of every file (in order of first appearance), then
     range 1, ...; each file's ranges keep their order."""
@@ -172,6 +203,7 @@ def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob],
         copier.copy_many([(slot[offset - job.start : offset - job.start + source.numel()], source)
                           for offset, source in job.device])
         tokens[k] = copier.record()
+        fill_host_bytes(slot, job)
         return True
 
     def retire_oldest() -> None:
@@ -213,9 +245,14 @@ def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob],
                 if job.device:
                     with span("d2h_wait"):
                         copier.wait(tokens.pop(k))
-                    base = ring.slot(slot_of[k]).data_ptr()
-                    segments += [(offset, base + offset - job.start, source.numel()) for offset, source in job.device]
-                    segments.sort(key=lambda s: s[0])
+                    # The whole range from its slot: one aligned segment, no bounce copy. A file's
+                    # last range is written up to the next block (zeros in the slot; the writer
+                    # truncates the file to its size), so its tail needs no bounce copy either.
+                    stop = min(-(-job.end // DIRECT_ALIGN) * DIRECT_ALIGN, job.start + ring.slot_bytes)
+                    slot = ring.slot(slot_of[k])
+                    slot[job.end - job.start : stop - job.start].zero_()
+                    jobs.append((handles[job.file_index], job.start, stop, [(job.start, slot.data_ptr(), stop - job.start)]))
+                    continue
                 jobs.append((handles[job.file_index], job.start, job.end, segments))
             write(jobs, range(pos, end))
             while len(writing) >= writes_in_flight:

@@ -305,3 +305,38 @@ def test_cuda_async_save_stages_into_pinned_slab(tmp_path):
     getattr(result, "upload_completion", result).result()
     assert writer._stager._slab.pinned
     C.load_in_place_and_check(C.make_reader("stock", tmp_path), expected, C.destination_for(expected))
+
+
+def test_direct_ranges_are_written_from_their_slots_without_bounce_copies(tmp_path):
+    """A range with device pieces is written as one aligned segment from its slot (host bytes
+    copied in, gaps zeroed, a file's tail up to its next block), so O_DIRECT needs no bounce
+    buffer; the file's bytes are exact once truncated to its size."""
+    rng = random.Random(3)
+    images = [_random_image(rng, 300_000) for _ in range(2)]
+    from fastdcp.io.host_memory import allocate_slab
+
+    # page-aligned memory, as the pinned pool's (torch.empty is only 64-byte aligned)
+    ring = DeviceRing(DIRECT_ALIGN * 8, 4, allocate_slab(DIRECT_ALIGN * 32, pin=False).tensor)
+    # slots hold stale bytes from an earlier use: gaps must come out zero anyway
+    ring.memory.fill_(0xAB)
+    engine = _C.Engine(2, DIRECT_ALIGN * 4)
+    handles = [_C.File(str(tmp_path / f"image{i}"), "w", True) for i in range(2)]
+    if not all(h.direct for h in handles):
+        for h in handles:
+            h.close()
+        pytest.skip(f"{tmp_path} refuses O_DIRECT, so no write there can bounce")
+    try:
+        for h, (_, _, size) in zip(handles, images):
+            h.allocate(-(-size // DIRECT_ALIGN) * DIRECT_ALIGN)
+        ranges = [job for i, (segments, device, size) in enumerate(images)
+                  for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
+        write_device_images(engine, handles, ranges, ring, DeferredCopier(), batch=2)
+        for h, (_, _, size) in zip(handles, images):
+            h.truncate(size)
+    finally:
+        for h in handles:
+            h.close()
+    for i, (segments, device, size) in enumerate(images):
+        assert (tmp_path / f"image{i}").read_bytes() == _image(size, segments, device)
+    stats = engine.stats()
+    assert stats["bytes_written"] > 0 and stats["bounce_bytes"] == 0
