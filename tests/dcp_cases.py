@@ -20,6 +20,7 @@ import inspect
 import io
 import logging
 import math
+import random
 import os
 import warnings
 import zlib
@@ -531,6 +532,38 @@ def random_box(rng, shape: Sequence[int]) -> tuple[list[int], list[int]]:
         offsets.append(lo)
         sizes.append(rng.randrange(lo + 1, n + 1) - lo)
     return offsets, sizes
+
+
+def box_state(seed: int) -> dict[str, torch.Tensor]:
+    """Small tensors of several dtypes and shapes (a transposed one, a complex one) whose random
+    boxes the placement tests load into every destination layout."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "m2": torch.randn(63, 47, generator=g),
+        "wide": torch.randn(96, 384, generator=g),
+        "b3": torch.randn(7, 13, 11, generator=g).to(torch.bfloat16),
+        "i4": torch.randint(-30000, 30000, (3, 5, 7, 9), generator=g).to(torch.int16),
+        "t2": torch.randn(29, 31, generator=g).t(),
+        "c1": torch.randn(40, generator=g).to(torch.complex64),
+    }
+
+
+# The dtype a "convert" destination of box_state's tensors has (complex64 -> complex128 is a
+# conversion no box kernel does: it takes the fallback copy).
+CONVERTED_DTYPE = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32, torch.int16: torch.int64,
+                   torch.complex64: torch.complex128}
+
+
+def random_boxes(saved: dict[str, torch.Tensor], rng: random.Random, destination) -> tuple[dict, dict, dict]:
+    """``(slices, dest, expected)`` for loading a random box of every tensor of ``saved``:
+    ``destination(sizes, saved dtype)`` makes each destination; expected values are in its dtype."""
+    slices, dest, expected = {}, {}, {}
+    for name, tensor in saved.items():
+        offsets, sizes = random_box(rng, tuple(tensor.shape))
+        slices[name] = (offsets, sizes)
+        dest[name] = destination(sizes, tensor.dtype)
+        expected[name] = box(tensor, offsets, sizes).to(dest[name].dtype)
+    return slices, dest, expected
 
 
 def box_destination(sizes: Sequence[int], dtype: torch.dtype, layout: str, device: str = "cpu") -> torch.Tensor:

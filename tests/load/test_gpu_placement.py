@@ -346,29 +346,16 @@ def _assert_returns_after_the_last_copy(fake_cuda) -> None:
     assert releases and releases[-1] == len(fake_cuda.ops) - 1
 
 
-def _stored(seed):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "m2": torch.randn(63, 47, generator=g),
-        "wide": torch.randn(96, 384, generator=g),
-        "b3": torch.randn(7, 13, 11, generator=g).to(torch.bfloat16),
-        "i4": torch.randint(-30000, 30000, (3, 5, 7, 9), generator=g).to(torch.int16),
-        "t2": torch.randn(29, 31, generator=g).t(),
-        "c1": torch.randn(40, generator=g).to(torch.complex64),
-    }
-
-
 def _destination(sizes, dtype, layout, device="cpu"):
     if layout == "convert":
-        dtype = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32, torch.int16: torch.int64,
-                 torch.complex64: torch.complex128}[dtype]
+        dtype = C.CONVERTED_DTYPE[dtype]
     return C.box_destination(sizes, dtype, layout, device=device)
 
 
 @pytest.mark.parametrize("writer_kind", ["stock", "fast"])
 @pytest.mark.parametrize("layout", ["contiguous", "permuted", "offset", "convert"])
 def test_simulated_pipeline_resharded_tiny_budget(tmp_path, monkeypatch, writer_kind, layout):
-    saved = _stored(5)
+    saved = C.box_state(5)
     C.save(saved, C.make_writer(writer_kind, tmp_path))
     fake_cuda = _install_fake_cuda(monkeypatch)
     rng = random.Random(f"{writer_kind}-{layout}")
@@ -480,7 +467,7 @@ def test_gpu_same_layout(tmp_path, writer_kind):
 @pytest.mark.parametrize("writer_kind", ["stock", "fast"])
 @pytest.mark.parametrize("layout", ["contiguous", "permuted", "offset", "convert"])
 def test_gpu_resharded_boxes(tmp_path, writer_kind, layout):
-    saved = _stored(7)
+    saved = C.box_state(7)
     C.save(saved, C.make_writer(writer_kind, tmp_path))
     rng = random.Random(f"gpu-{writer_kind}-{layout}")
     for budget in (16 << 10, 512 << 20):

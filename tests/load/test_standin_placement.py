@@ -32,34 +32,20 @@ def _standin(sizes, dtype, layout):
     return view
 
 
-def _stored(seed):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "m2": torch.randn(63, 47, generator=g),
-        "wide": torch.randn(96, 384, generator=g),
-        "b3": torch.randn(7, 13, 11, generator=g).to(torch.bfloat16),
-        "i4": torch.randint(-30000, 30000, (3, 5, 7, 9), generator=g).to(torch.int16),
-        "t2": torch.randn(29, 31, generator=g).t(),
-        "c1": torch.randn(40, generator=g).to(torch.complex64),
-    }
-
-
 @pytest.mark.parametrize("writer_kind", ["stock", "fast"])
 @pytest.mark.parametrize("layout", ["contiguous", "permuted", "offset", "convert"])
 def test_standin_load_resharded_through_many_slots(tmp_path, writer_kind, layout):
-    saved = _stored(11)
+    saved = C.box_state(11)
     C.save(saved, C.make_writer(writer_kind, tmp_path))
     rng = random.Random(f"{writer_kind}-{layout}")
-    convert = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32, torch.int16: torch.int64,
-               torch.complex64: torch.complex128}
+
+    def destination(sizes, dtype):
+        if layout == "convert":
+            return _standin(sizes, C.CONVERTED_DTYPE[dtype], "contiguous")
+        return _standin(sizes, dtype, layout)
+
     for _ in range(2):
-        slices, dest, expected = {}, {}, {}
-        for name, tensor in saved.items():
-            offsets, sizes = C.random_box(rng, tuple(tensor.shape))
-            slices[name] = (offsets, sizes)
-            dtype = convert[tensor.dtype] if layout == "convert" else tensor.dtype
-            dest[name] = _standin(sizes, dtype, "contiguous" if layout == "convert" else layout)
-            expected[name] = C.box(tensor, offsets, sizes).to(dtype)
+        slices, dest, expected = C.random_boxes(saved, rng, destination)
         reader = FastFileSystemReader(tmp_path, memory_budget_bytes=16 << 10)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
         for name in saved:

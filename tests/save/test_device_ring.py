@@ -113,6 +113,23 @@ def test_ring_writes_the_exact_image(tmp_path, direct, slots):
     assert copier.copies > 0 and not copier.pending
 
 
+def _write_and_check(tmp_path, handles, images, ring, engine, copier, **kw) -> list:
+    """Write the random ``images`` (one per handle) through the ring, truncate, close, and check
+    each file's bytes; returns the ranges written."""
+    try:
+        ranges = [job for i, (segments, device, size) in enumerate(images)
+                  for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
+        write_device_images(engine, handles, ranges, ring, copier, **kw)
+        for handle, (_, _, size) in zip(handles, images):
+            handle.truncate(size)
+    finally:
+        for handle in handles:
+            handle.close()
+    for i, (segments, device, size) in enumerate(images):
+        assert (tmp_path / f"image{i}").read_bytes() == _image(size, segments, device)
+    return ranges
+
+
 class _RecordingEngine:
     """An engine that writes through the real one and records each call's (file, start) ranges."""
 
@@ -140,17 +157,7 @@ def test_ring_writes_several_files_per_engine_call(tmp_path, files, slots, batch
     engine = _RecordingEngine(get_engine(IoOptions.resolve(direct_io=False, default_direct_io=False, io_threads=4,
                                                            task_bytes=None)))
     handles = [_C.File(str(tmp_path / f"image{i}"), "w", False) for i in range(files)]
-    try:
-        ranges = [job for i, (segments, device, size) in enumerate(images)
-                  for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
-        write_device_images(engine, handles, ranges, ring, copier, batch=batch, writes_in_flight=in_flight)
-        for handle, (_, _, size) in zip(handles, images):
-            handle.truncate(size)
-    finally:
-        for handle in handles:
-            handle.close()
-    for i, (segments, device, size) in enumerate(images):
-        assert (tmp_path / f"image{i}").read_bytes() == _image(size, segments, device)
+    ranges = _write_and_check(tmp_path, handles, images, ring, engine, copier, batch=batch, writes_in_flight=in_flight)
     assert not copier.pending
     assert max(len(call) for call in engine.calls) == min(batch, len(ranges))
     first = engine.calls[0]
@@ -325,18 +332,8 @@ def test_direct_ranges_are_written_from_their_slots_without_bounce_copies(tmp_pa
         for h in handles:
             h.close()
         pytest.skip(f"{tmp_path} refuses O_DIRECT, so no write there can bounce")
-    try:
-        for h, (_, _, size) in zip(handles, images):
-            h.allocate(-(-size // DIRECT_ALIGN) * DIRECT_ALIGN)
-        ranges = [job for i, (segments, device, size) in enumerate(images)
-                  for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
-        write_device_images(engine, handles, ranges, ring, DeferredCopier(), batch=2)
-        for h, (_, _, size) in zip(handles, images):
-            h.truncate(size)
-    finally:
-        for h in handles:
-            h.close()
-    for i, (segments, device, size) in enumerate(images):
-        assert (tmp_path / f"image{i}").read_bytes() == _image(size, segments, device)
+    for h, (_, _, size) in zip(handles, images):
+        h.allocate(-(-size // DIRECT_ALIGN) * DIRECT_ALIGN)
+    _write_and_check(tmp_path, handles, images, ring, engine, DeferredCopier(), batch=2)
     stats = engine.stats()
     assert stats["bytes_written"] > 0 and stats["bounce_bytes"] == 0
