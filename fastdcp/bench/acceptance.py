@@ -643,7 +643,7 @@ def _case(r: dict[str, Any]) -> str:
 
 
 def evaluate_targets(step: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets that this step's results decide, each {target, value, met}."""
+    """The targets that this step's results decide (docs/gpu.md lists them), each {target, value, met}."""
     out: list[dict[str, Any]] = []
     res = doc.get("results", [])
 
