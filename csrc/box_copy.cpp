@@ -220,6 +220,10 @@ void strided_copy_fixed(const std::byte* src, int64_t src_stride, std::byte* dst
   }
 }
 
+/// Copies `n` elements of `elem_size` bytes, each side with its own element stride. A run that is
+/// contiguous on both sides is one stream_copy (`kStreaming`) or forward_copy: a strided box calls
+/// this once per row, and forward_copy keeps rows that share their page offset with their source
+/// off glibc's backward loop (see stream_copy.hpp). Other runs move element by element.
 template <bool kStreaming>
 void byte_copy_run(const std::byte* src, int64_t src_stride, std::byte* dst, int64_t dst_stride,
                    int64_t n, int32_t elem_size)
@@ -229,7 +233,7 @@ void byte_copy_run(const std::byte* src, int64_t src_stride, std::byte* dst, int
     if constexpr (kStreaming) {
       stream_copy(dst, src, nbytes);
     } else {
-      std::memcpy(dst, src, nbytes);
+      forward_copy(dst, src, nbytes);
     }
     return;
   }
