@@ -220,6 +220,10 @@ void strided_copy_fixed(const std::byte* src, int64_t src_stride, std::byte* dst
   }
 }
 
+/// Copies `n` elements of `elem_size` bytes, each side with its own element stride. A run that is
+/// contiguous on both sides is one stream_copy (`kStreaming`) or forward_copy: a strided box calls
+/// this once per row, and forward_copy keeps rows that share their page offset with their source
+/// off glibc's backward loop (see stream_copy.hpp). Other runs move element by element.
 template <bool kStreaming>
 void byte_copy_run(const std::byte* src, int64_t src_stride, std::byte* dst, int64_t dst_stride,
                    int64_t n, int32_t elem_size)
@@ -229,7 +233,7 @@ void byte_copy_run(const std::byte* src, int64_t src_stride, std::byte* dst, int
     if constexpr (kStreaming) {
       stream_copy(dst, src, nbytes);
     } else {
-      std::memcpy(dst, src, nbytes);
+      forward_copy(dst, src, nbytes);
     }
     return;
   }
@@ -420,11 +424,158 @@ void prefault_destination(const BoxCopy& box, int64_t begin, int64_t end)
   prefault_writable(dst, static_cast<size_t>(end - begin) * static_cast<size_t>(box.dst_elem_size));
 }
 
-/// A contiguous element range of one (simplified) box, the unit the planner hands to tasks.
+// ---------------------------------------------------------------------------------------------
+// Row groups: column slices of the same destination rows, copied row by row together
+// ---------------------------------------------------------------------------------------------
+
+/// Bytes from one destination row of a 2-D box to the next.
+int64_t dst_pitch_bytes(const BoxCopy& box) { return box.dst_stride[0] * box.dst_elem_size; }
+
+/// True for a simplified box whose rows may be copied interleaved with other boxes' rows: a
+/// same-kind 2-D box of at least 2 rows, contiguous rows on both sides, not transposing.
+bool is_row_group_candidate(const BoxCopy& box)
+{
+  return box_is_byte_copy(box) && box.ndim == 2 && box.shape[0] > 1 && box.src_stride[1] == 1 &&
+         box.dst_stride[1] == 1 && !is_transposing(box);
+}
+
+/// Boxes copied together row by row: row r of every member in turn (members in destination
+/// order), then row r + 1.
+struct RowGroup {
+  size_t first;       ///< index of the first member in the members list
+  size_t count;       ///< number of members (at least 2)
+  int64_t rows;       ///< rows of every member
+  int64_t row_bytes;  ///< bytes of one row of all members together
+};
+
+/// Finds the row groups among simplified `boxes`: row-group candidates with the same number of
+/// rows and the same destination pitch whose destinations start less than one pitch after the
+/// first member's, in practice the column slices of one destination matrix (the two halves a
+/// Shard(1) piece pair places). Copied slice by slice, such boxes write the destination as several
+/// strided streams with a gap in every row; row by row together, as one forward stream.
+/// A group's row stays within `grain_bytes` (a member that would take it over starts the next
+/// group), so that every task of a group holds whole rows.
+/// Grouping only changes the order of the writes: destinations are disjoint, so the bytes are the
+/// same whichever boxes it groups. Appends every group's members, in destination order, to
+/// `members` and sets `grouped[i]` for each; the other boxes keep the per-box plan.
+std::vector<RowGroup> find_row_groups(const std::vector<BoxCopy>& boxes, size_t grain_bytes,
+                                      std::vector<size_t>& members, std::vector<char>& grouped)
+{
+  const auto row_bytes = [&](size_t i) {
+    return boxes[i].shape[1] * std::max(boxes[i].src_elem_size, boxes[i].dst_elem_size);
+  };
+  std::vector<size_t> candidates;
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    if (is_row_group_candidate(boxes[i])) { candidates.push_back(i); }
+  }
+  const auto address = [&](size_t i) { return reinterpret_cast<uintptr_t>(boxes[i].dst); };
+  std::sort(candidates.begin(), candidates.end(), [&](size_t a, size_t b) {
+    const int64_t pitch_a = dst_pitch_bytes(boxes[a]);
+    const int64_t pitch_b = dst_pitch_bytes(boxes[b]);
+    if (pitch_a != pitch_b) { return pitch_a < pitch_b; }
+    if (boxes[a].shape[0] != boxes[b].shape[0]) { return boxes[a].shape[0] < boxes[b].shape[0]; }
+    return address(a) < address(b);
+  });
+  std::vector<RowGroup> groups;
+  size_t i = 0;
+  while (i < candidates.size()) {
+    const BoxCopy& first = boxes[candidates[i]];
+    const int64_t pitch = dst_pitch_bytes(first);
+    int64_t group_row_bytes = row_bytes(candidates[i]);
+    size_t end = i + 1;
+    while (end < candidates.size() && dst_pitch_bytes(boxes[candidates[end]]) == pitch &&
+           boxes[candidates[end]].shape[0] == first.shape[0] &&
+           address(candidates[end]) - address(candidates[i]) < static_cast<uintptr_t>(pitch) &&
+           static_cast<size_t>(group_row_bytes + row_bytes(candidates[end])) <= grain_bytes) {
+      group_row_bytes += row_bytes(candidates[end]);
+      ++end;
+    }
+    if (end - i >= 2) {
+      groups.push_back({members.size(), end - i, first.shape[0], group_row_bytes});
+      for (size_t k = i; k < end; ++k) {
+        members.push_back(candidates[k]);
+        grouped[candidates[k]] = 1;
+      }
+    }
+    i = end;
+  }
+  return groups;
+}
+
+/// Copies rows [first_row, end_row) of every member of `group`: row r of each member in
+/// destination order, then row r + 1. Preconditions: every member is a row-group candidate with
+/// group.rows rows; `copiers[i]` is box i's run copier.
+void copy_group_rows(const RowGroup& group, const std::vector<size_t>& members,
+                     const std::vector<BoxCopy>& boxes, const std::vector<RunCopier>& copiers,
+                     int64_t first_row, int64_t end_row)
+{
+  for (int64_t row = first_row; row < end_row; ++row) {
+    for (size_t m = group.first; m < group.first + group.count; ++m) {
+      const BoxCopy& box = boxes[members[m]];
+      const auto* src = static_cast<const std::byte*>(box.src) + row * box.src_stride[0] * box.src_elem_size;
+      auto* dst = static_cast<std::byte*>(box.dst) + row * box.dst_stride[0] * box.dst_elem_size;
+      copiers[members[m]](src, 1, dst, 1, box.shape[1], box.src_elem_size);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Planning
+// ---------------------------------------------------------------------------------------------
+
+/// A contiguous part of the work, the unit the planner hands to tasks: elements [begin, end) of
+/// (simplified) box `index`, or, with `row_group`, rows [begin, end) of row group `index`.
 struct Segment {
-  size_t box;
+  size_t index;
   int64_t begin;
   int64_t end;
+  bool row_group;
+};
+
+/// Segments and the tasks they make: small work accumulates into the open task until it holds
+/// about `grain_bytes`; work above the grain is cut into pieces that each get a task of their own.
+class TaskPlan {
+ public:
+  explicit TaskPlan(size_t grain_bytes) : grain_bytes_(grain_bytes) {}
+
+  /// Adds a whole box or row group of `bytes` (at most the grain) to the open task.
+  void add_small(const Segment& segment, size_t bytes)
+  {
+    segments_.push_back(segment);
+    open_bytes_ += bytes;
+    if (open_bytes_ >= grain_bytes_) { close_task(); }
+  }
+
+  /// Adds [0, n) of box or row group `index` as pieces of `piece` (>= 1), a task each.
+  void add_pieces(size_t index, bool row_group, int64_t n, int64_t piece)
+  {
+    for (int64_t begin = 0; begin < n; begin += piece) {
+      close_task();
+      segments_.push_back({index, begin, std::min(n, begin + piece), row_group});
+    }
+    close_task();
+  }
+
+  /// Ends the open task (if it holds anything).
+  void close_task()
+  {
+    if (segments_.size() > task_first_segment_.back()) {
+      task_first_segment_.push_back(segments_.size());
+    }
+    open_bytes_ = 0;
+  }
+
+  /// Number of tasks closed so far.
+  size_t num_tasks() const { return task_first_segment_.size() - 1; }
+  /// Segments of task `task`: [first_segment(task), first_segment(task + 1)).
+  size_t first_segment(size_t task) const { return task_first_segment_[task]; }
+  const Segment& segment(size_t s) const { return segments_[s]; }
+
+ private:
+  size_t grain_bytes_;
+  size_t open_bytes_ = 0;
+  std::vector<Segment> segments_;
+  std::vector<size_t> task_first_segment_{0};
 };
 
 /// Elements per piece when a box larger than `grain_bytes` is split: whole rows when rows are
@@ -605,42 +756,44 @@ void box_copy_cpu(const BoxCopy* boxes, size_t num_boxes, ThreadPool& pool, size
     copiers[i] = run_copier_for(simplified[i], streaming);
   }
 
-  // Plan: small boxes accumulate into one task until it holds ~grain_bytes; a box above the grain
-  // is cut into pieces that each get a task of their own.
-  std::vector<Segment> segments;
-  std::vector<size_t> task_first_segment{0};
-  size_t open_task_bytes = 0;
-  const auto close_task = [&] {
-    if (segments.size() > task_first_segment.back()) { task_first_segment.push_back(segments.size()); }
-    open_task_bytes = 0;
-  };
+  std::vector<size_t> members;
+  std::vector<char> grouped(num_boxes, 0);
+  const std::vector<RowGroup> groups = find_row_groups(simplified, grain_bytes, members, grouped);
+
+  TaskPlan plan(grain_bytes);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const RowGroup& group = groups[g];
+    const auto bytes = static_cast<size_t>(group.rows) * static_cast<size_t>(group.row_bytes);
+    if (bytes <= grain_bytes) {
+      plan.add_small({g, 0, group.rows, true}, bytes);
+    } else {
+      plan.add_pieces(g, true, group.rows, static_cast<int64_t>(grain_bytes) / group.row_bytes);
+    }
+  }
   for (size_t i = 0; i < num_boxes; ++i) {
     const BoxCopy& box = simplified[i];
     const int64_t n = box_num_elements(box);
-    if (n == 0) { continue; }
+    if (n == 0 || grouped[i]) { continue; }
     const int64_t bytes_per_element = std::max(box.src_elem_size, box.dst_elem_size);
     const auto bytes = static_cast<size_t>(n) * static_cast<size_t>(bytes_per_element);
     if (bytes <= grain_bytes) {
-      segments.push_back({i, 0, n});
-      open_task_bytes += bytes;
-      if (open_task_bytes >= grain_bytes) { close_task(); }
-      continue;
+      plan.add_small({i, 0, n, false}, bytes);
+    } else {
+      plan.add_pieces(i, false, n, piece_elements(box, bytes_per_element, grain_bytes));
     }
-    const int64_t piece = piece_elements(box, bytes_per_element, grain_bytes);
-    for (int64_t begin = 0; begin < n; begin += piece) {
-      close_task();
-      segments.push_back({i, begin, std::min(n, begin + piece)});
-    }
-    close_task();
   }
-  close_task();
+  plan.close_task();
 
-  const size_t num_tasks = task_first_segment.size() - 1;
+  const size_t num_tasks = plan.num_tasks();
   const auto run_task = [&](size_t task, int /*worker*/) {
-    for (size_t s = task_first_segment[task]; s < task_first_segment[task + 1]; ++s) {
-      const Segment& seg = segments[s];
-      if (prefault) { prefault_destination(simplified[seg.box], seg.begin, seg.end); }
-      copy_box_range(simplified[seg.box], copiers[seg.box], seg.begin, seg.end);
+    for (size_t s = plan.first_segment(task); s < plan.first_segment(task + 1); ++s) {
+      const Segment& seg = plan.segment(s);
+      if (seg.row_group) {
+        copy_group_rows(groups[seg.index], members, simplified, copiers, seg.begin, seg.end);
+        continue;
+      }
+      if (prefault) { prefault_destination(simplified[seg.index], seg.begin, seg.end); }
+      copy_box_range(simplified[seg.index], copiers[seg.index], seg.begin, seg.end);
     }
   };
   if (num_tasks == 1) {

@@ -95,7 +95,12 @@ int64_t box_element_prefix(const BoxCopy* boxes, size_t num_boxes, int64_t* pref
 /// copied) and simplified on a private copy; large boxes are split into element ranges of about
 /// `grain_bytes` (whole rows when rows are shorter), small boxes are grouped into tasks of about
 /// `grain_bytes`, and the tasks run on `pool` (inline on the caller when there is only one).
-/// Equal-kind boxes memcpy their contiguous innermost runs; other boxes convert element-wise with
+/// Same-kind 2-D boxes with contiguous rows that are column slices of the same destination rows
+/// (the same row count and destination pitch, destinations less than a pitch apart) form row
+/// groups, planned in pieces of whole rows that copy row r of every slice before row r + 1: the
+/// destination is then written as one forward stream.
+/// Equal-kind boxes copy their contiguous innermost runs with forward_copy (memcpy, but never
+/// backwards: see stream_copy.hpp); other boxes convert element-wise with
 /// torch's `Tensor.copy_` rules on the CPU: to f16/bf16 round-to-nearest-even via float (f64 and
 /// int64 sources are first rounded to float, as torch does); float to integer truncates toward zero
 /// like static_cast for in-range values (out-of-range values and NaN give what torch gives on x86:

@@ -14,6 +14,14 @@ namespace {
 // thread to check the indexing on machines without a GPU.
 #define FASTDCP_HD __host__ __device__ __forceinline__
 
+// Full unrolling of the fixed-count loops that keep several loads in flight; host compilers get
+// no pragma (they unroll such loops on their own, and some warn about nvcc's).
+#if defined(__CUDA_ARCH__)
+#define FASTDCP_UNROLL _Pragma("unroll")
+#else
+#define FASTDCP_UNROLL
+#endif
+
 constexpr int kThreads = 256;
 
 FASTDCP_HD int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -275,6 +283,201 @@ __host__ __device__ __noinline__ void copy_strided(const char* src, int64_t src_
 }
 
 // ---------------------------------------------------------------------------------------------
+// Whole rows of a 2-D byte copy (the column halves a Shard(1) load places)
+// ---------------------------------------------------------------------------------------------
+
+/// Most units (words or bytes) one copy_row_units call walks: its flat index and its row and unit
+/// counters are 32-bit, with room left for the block's stride past the end.
+constexpr int64_t kMaxFlatUnits = int64_t{1} << 30;
+
+/// Units each thread of copy_row_units loads before it stores them.
+constexpr int kUnitsInFlight = 4;
+
+/// A thread's place in a flat walk over rows of `row_units` units: flat index i is unit
+/// `i % row_units` of row `i / row_units`. Construction divides once (32-bit); advance() moves
+/// kThreads indices on with adds and one compare, whatever the row length.
+/// Precondition: 1 <= row_units.
+struct RowCursor {
+  uint32_t row;
+  uint32_t unit;
+  uint32_t row_units;
+  uint32_t step_rows;  ///< kThreads / row_units
+  uint32_t step_units;  ///< kThreads % row_units
+
+  FASTDCP_HD RowCursor(uint32_t index, uint32_t units_per_row)
+    : row(index / units_per_row),
+      unit(index % units_per_row),
+      row_units(units_per_row),
+      step_rows(static_cast<uint32_t>(kThreads) / units_per_row),
+      step_units(static_cast<uint32_t>(kThreads) % units_per_row)
+  {
+  }
+
+  /// Moves to flat index + kThreads. unit and step_units are both below row_units, so one
+  /// subtraction brings their sum back into the row.
+  FASTDCP_HD void advance()
+  {
+    unit += step_units;
+    row += step_rows;
+    if (unit >= row_units) {
+      unit -= row_units;
+      ++row;
+    }
+  }
+};
+
+/// Address of unit `unit` of row `row` of a side whose rows are `pitch` bytes apart.
+template <typename Unit, typename Byte>
+FASTDCP_HD Byte* unit_address(Byte* base, int64_t pitch, uint32_t row, uint32_t unit)
+{
+  return base + static_cast<int64_t>(row) * pitch +
+         static_cast<int64_t>(unit) * static_cast<int64_t>(sizeof(Unit));
+}
+
+/// Thread `thread`'s share of copying `rows` rows of `row_units` Units each, row r from
+/// src + r * src_pitch to dst + r * dst_pitch. The rows are one flat walk in steps of kThreads,
+/// so short rows do not leave threads idle, and each thread loads kUnitsInFlight units (from up to
+/// as many rows) before it stores them.
+/// Preconditions: 1 <= row_units; rows * row_units <= kMaxFlatUnits; src, dst and both pitches
+/// are multiples of sizeof(Unit); no destination byte is also a source byte.
+template <typename Unit>
+FASTDCP_HD void copy_row_units(const char* src, int64_t src_pitch, char* dst, int64_t dst_pitch,
+                               uint32_t rows, uint32_t row_units, int thread)
+{
+  const uint32_t total = rows * row_units;
+  RowCursor cursor(static_cast<uint32_t>(thread), row_units);
+  uint32_t i = static_cast<uint32_t>(thread);
+  for (; i + (kUnitsInFlight - 1) * kThreads < total; i += kUnitsInFlight * kThreads) {
+    uint32_t row[kUnitsInFlight];
+    uint32_t unit[kUnitsInFlight];
+    Unit value[kUnitsInFlight];
+    FASTDCP_UNROLL
+    for (int k = 0; k < kUnitsInFlight; ++k) {
+      row[k] = cursor.row;
+      unit[k] = cursor.unit;
+      cursor.advance();
+    }
+    FASTDCP_UNROLL
+    for (int k = 0; k < kUnitsInFlight; ++k) {
+      value[k] = *reinterpret_cast<const Unit*>(unit_address<Unit>(src, src_pitch, row[k], unit[k]));
+    }
+    FASTDCP_UNROLL
+    for (int k = 0; k < kUnitsInFlight; ++k) {
+      *reinterpret_cast<Unit*>(unit_address<Unit>(dst, dst_pitch, row[k], unit[k])) = value[k];
+    }
+  }
+  for (; i < total; i += kThreads) {
+    *reinterpret_cast<Unit*>(unit_address<Unit>(dst, dst_pitch, cursor.row, cursor.unit)) =
+      *reinterpret_cast<const Unit*>(unit_address<Unit>(src, src_pitch, cursor.row, cursor.unit));
+    cursor.advance();
+  }
+}
+
+/// Thread `thread`'s share of copying `rows` rows of `row_bytes` bytes one after the other, each
+/// with copy_contiguous and the whole block: the fallback of copy_rows_as.
+FASTDCP_HD void copy_rows_one_by_one(const char* src, int64_t src_pitch, char* dst,
+                                     int64_t dst_pitch, int64_t rows, int64_t row_bytes, int thread)
+{
+  for (int64_t r = 0; r < rows; ++r) {
+    copy_contiguous(src + r * src_pitch, dst + r * dst_pitch, row_bytes, thread, kThreads);
+  }
+}
+
+/// copy_rows with the rows' whole Words as one flat walk, then the bytes after each row's last
+/// whole Word (fewer than sizeof(Word)) as a second flat walk of single bytes.
+/// Preconditions: src, dst and both pitches are multiples of sizeof(Word); rows, row_bytes >= 1.
+/// Fallback: a walk longer than kMaxFlatUnits goes row by row (copy_rows_one_by_one).
+template <typename Word>
+FASTDCP_HD void copy_rows_as(const char* src, int64_t src_pitch, char* dst, int64_t dst_pitch,
+                             int64_t rows, int64_t row_bytes, int thread)
+{
+  constexpr auto kWord = static_cast<int64_t>(sizeof(Word));
+  const int64_t row_words = row_bytes / kWord;
+  const int64_t row_tail = row_bytes - row_words * kWord;
+  if (rows * max64(row_words, row_tail) > kMaxFlatUnits) {
+    copy_rows_one_by_one(src, src_pitch, dst, dst_pitch, rows, row_bytes, thread);
+    return;
+  }
+  if (row_words > 0) {
+    copy_row_units<Word>(src, src_pitch, dst, dst_pitch, static_cast<uint32_t>(rows),
+                         static_cast<uint32_t>(row_words), thread);
+  }
+  if (row_tail > 0) {
+    const int64_t done = row_words * kWord;
+    copy_row_units<uint8_t>(src + done, src_pitch, dst + done, dst_pitch,
+                            static_cast<uint32_t>(rows), static_cast<uint32_t>(row_tail), thread);
+  }
+}
+
+/// Thread `thread`'s share of copying `rows` whole rows of `row_bytes` bytes, row r from
+/// src + r * src_pitch to dst + r * dst_pitch, with the widest word (16, 8, 4, 2 or 1 bytes) that
+/// both base pointers and both pitches are multiples of, so that every row starts word-aligned on
+/// both sides. No division per row or word: see copy_row_units. Out of line, as copy_contiguous.
+/// Preconditions: rows, row_bytes >= 1; pitches >= 0; destination rows do not overlap each other
+/// or any source row. Fallback: copy_rows_as's, row by row, for walks beyond kMaxFlatUnits.
+__host__ __device__ __noinline__ void copy_rows(const char* src, int64_t src_pitch, char* dst,
+                                                int64_t dst_pitch, int64_t rows, int64_t row_bytes,
+                                                int thread)
+{
+  const uintptr_t alignment = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
+                              static_cast<uintptr_t>(src_pitch) | static_cast<uintptr_t>(dst_pitch);
+  if ((alignment & 15) == 0) {
+    copy_rows_as<uint4>(src, src_pitch, dst, dst_pitch, rows, row_bytes, thread);
+  } else if ((alignment & 7) == 0) {
+    copy_rows_as<uint2>(src, src_pitch, dst, dst_pitch, rows, row_bytes, thread);
+  } else if ((alignment & 3) == 0) {
+    copy_rows_as<uint32_t>(src, src_pitch, dst, dst_pitch, rows, row_bytes, thread);
+  } else if ((alignment & 1) == 0) {
+    copy_rows_as<uint16_t>(src, src_pitch, dst, dst_pitch, rows, row_bytes, thread);
+  } else {
+    copy_rows_as<uint8_t>(src, src_pitch, dst, dst_pitch, rows, row_bytes, thread);
+  }
+}
+
+/// True for a same-kind 2-D box whose rows are contiguous on both sides (unit strides in the
+/// last dimension): the boxes copy_row_major_range takes.
+FASTDCP_HD bool is_row_major_byte_copy(const BoxCopy& box)
+{
+  return box.ndim == 2 && box.src_kind == box.dst_kind && box.src_stride[1] == 1 &&
+         box.dst_stride[1] == 1;
+}
+
+/// Thread `thread`'s share of copying elements [lo, hi) (row-major) of a box that
+/// is_row_major_byte_copy accepts: the partial row the range starts in and the partial row it
+/// ends in each with copy_contiguous and the whole block, the whole rows between with copy_rows.
+/// Two 64-bit divisions per call, none per row.
+/// Preconditions: is_row_major_byte_copy(box); 0 <= lo < hi <= shape[0] * shape[1].
+FASTDCP_HD void copy_row_major_range(const BoxCopy& box, int64_t lo, int64_t hi, int thread)
+{
+  const int64_t row_length = box.shape[1];
+  const int64_t elem_size = box.src_elem_size;
+  const int64_t src_pitch = box.src_stride[0] * elem_size;
+  const int64_t dst_pitch = box.dst_stride[0] * elem_size;
+  const auto* src = static_cast<const char*>(box.src);
+  auto* dst = static_cast<char*>(box.dst);
+
+  int64_t first_whole = lo / row_length;  // rows [first_whole, end_whole) are copied whole
+  const int64_t end_whole = hi / row_length;
+  const int64_t head = lo - first_whole * row_length;  // elements of lo's row before lo
+  if (head != 0) {
+    const int64_t end = min64(hi - first_whole * row_length, row_length);
+    copy_contiguous(src + first_whole * src_pitch + head * elem_size,
+                    dst + first_whole * dst_pitch + head * elem_size, (end - head) * elem_size,
+                    thread, kThreads);
+    ++first_whole;
+  }
+  if (end_whole > first_whole) {
+    copy_rows(src + first_whole * src_pitch, src_pitch, dst + first_whole * dst_pitch, dst_pitch,
+              end_whole - first_whole, row_length * elem_size, thread);
+  }
+  const int64_t tail = hi - end_whole * row_length;  // elements of hi's row before hi
+  if (tail != 0 && end_whole >= first_whole) {  // else the head already covered that row
+    copy_contiguous(src + end_whole * src_pitch, dst + end_whole * dst_pitch, tail * elem_size,
+                    thread, kThreads);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Work decomposition
 // ---------------------------------------------------------------------------------------------
 
@@ -305,15 +508,43 @@ FASTDCP_HD int threads_per_row(int64_t units)
   return group;
 }
 
+/// Adds to `src_offset` and `dst_offset` (in elements) where row `row` of `box` starts, rows being
+/// the row-major order of the dimensions before the last. Each middle dimension takes a division;
+/// the outermost one takes what is left, since `row` is below the number of rows, so boxes of up
+/// to 2 dimensions (all of them after simplify_box but the rare 3-D and up) take none.
+/// Precondition: 0 <= row < the product of shape[0 .. ndim - 2] (0 for ndim <= 1).
+FASTDCP_HD void add_row_offsets(const BoxCopy& box, int64_t row, int64_t& src_offset,
+                                int64_t& dst_offset)
+{
+  const int last = box.ndim - 1;
+  for (int d = last - 1; d >= 1; --d) {
+    const int64_t index = row % box.shape[d];
+    row /= box.shape[d];
+    src_offset += index * box.src_stride[d];
+    dst_offset += index * box.dst_stride[d];
+  }
+  if (last >= 1) {
+    src_offset += row * box.src_stride[0];
+    dst_offset += row * box.dst_stride[0];
+  }
+}
+
 /// The part of copying elements [lo, hi) of `box` (row-major over its dims) that thread `thread`
-/// of a block does. Rows (the innermost dimension) are shared among groups of threads sized to the
-/// row, so short rows still keep the block busy and long rows use every thread.
+/// of a block does. A same-kind 2-D box with contiguous rows goes to copy_row_major_range (its
+/// whole rows as one flat walk of words). Other boxes share each row (the innermost dimension)
+/// among a group of threads sized to the row, so short rows still keep the block busy and long
+/// rows use every thread.
 /// `kConvert`: whether the dtype conversions are compiled in. Without them the byte-copy paths
 /// keep their registers (the conversion switch, inlined, costs occupancy). Precondition for
 /// `kConvert == false`: every box has src_kind == dst_kind (a converting box is left untouched).
+/// Precondition: 0 <= lo < hi <= box_num_elements(box).
 template <bool kConvert>
 FASTDCP_HD void copy_box_range(const BoxCopy& box, int64_t lo, int64_t hi, int thread)
 {
+  if (is_row_major_byte_copy(box)) {
+    copy_row_major_range(box, lo, hi, thread);
+    return;
+  }
   const int last = box.ndim - 1;
   const int64_t row_length = box.ndim > 0 ? box.shape[last] : 1;
   const int64_t src_inner = box.ndim > 0 ? box.src_stride[last] : 1;
@@ -340,13 +571,7 @@ FASTDCP_HD void copy_box_range(const BoxCopy& box, int64_t lo, int64_t hi, int t
     const int64_t end = row == last_row ? hi - row * row_length : row_length;
     int64_t src_offset = begin * src_inner;  // in elements
     int64_t dst_offset = begin * dst_inner;
-    int64_t outer = row;
-    for (int d = last - 1; d >= 0; --d) {
-      const int64_t index = outer % box.shape[d];
-      outer /= box.shape[d];
-      src_offset += index * box.src_stride[d];
-      dst_offset += index * box.dst_stride[d];
-    }
+    add_row_offsets(box, row, src_offset, dst_offset);
     const char* src = src_base + src_offset * box.src_elem_size;
     char* dst = dst_base + dst_offset * box.dst_elem_size;
     const int64_t n = end - begin;
@@ -410,6 +635,7 @@ int64_t chunk_elements_for(int64_t total_elements, int64_t resident_blocks)
 }
 
 #undef FASTDCP_HD
+#undef FASTDCP_UNROLL
 
 }  // namespace
 

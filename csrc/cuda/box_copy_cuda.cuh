@@ -24,8 +24,10 @@ namespace fastdcp {
 /// live in device memory and must stay valid until the kernel has run; `total_elems` is
 /// prefix[num_boxes]. Every box's src/dst must be device-accessible pointers.
 /// Preconditions: every box passed validate_box on the host (simplify_box is optional but makes
-/// the copy faster: contiguous boxes take the 16-byte vector path); destination regions are
-/// pairwise disjoint and do not overlap any source region.
+/// the copy faster: contiguous boxes take the 16-byte vector path, and a same-kind box that
+/// simplifies to 2-D with contiguous rows, such as a column half, is walked as whole rows of the
+/// widest word its pointers and row pitches allow); destination regions are pairwise disjoint and
+/// do not overlap any source region.
 /// `any_conversion`: whether some box has src_kind != dst_kind. False launches the byte-copy-only
 /// kernel (more resident threads for the common same-dtype load); a converting box passed with
 /// false is not copied, so callers that cannot tell pass true.

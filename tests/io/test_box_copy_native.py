@@ -2,7 +2,9 @@
 
 The CPU tests compile a tests/io/cpp/test_*.cpp with the csrc/ units it exercises (plain C++17, no
 torch) and run it: the box copy (with the thread pool), the streaming copy, prefaulting and CRC-32C. The CUDA
-test only compiles csrc/cuda/box_copy_cuda.cu for sm_80 and sm_90: it needs nvcc, not a GPU.
+tests need nvcc, not a GPU: one compiles csrc/cuda/box_copy_cuda.cu for sm_80 and sm_90, the other
+runs the kernel's per-thread code on the CPU (tests/io/cpp/test_box_copy_cuda_host.cu) against the CPU
+box copy, with UBSan where the host compiler has it (a misaligned word access is then an error).
 """
 
 from __future__ import annotations
@@ -96,3 +98,23 @@ def test_cuda_box_copy_compiles(tmp_path: Path) -> None:
     )
     assert build.returncode == 0, f"nvcc failed:\n{build.stdout}\n{build.stderr}"
     assert obj.stat().st_size > 0
+
+
+def test_cuda_box_copy_per_thread_code_on_the_host(tmp_path: Path) -> None:
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set CUDA_HOME to the CUDA toolkit root)")
+    exe = tmp_path / "test_box_copy_cuda_host"
+    sources = [
+        str(REPO / "tests" / "io" / "cpp" / "test_box_copy_cuda_host.cu"),
+        *(str(CSRC / unit) for unit in ("box_copy.cpp", "prefault.cpp", "stream_copy.cpp", "thread_pool.cpp")),
+    ]
+    base = [nvcc, "-std=c++17", "-O2", "-I", str(CSRC), *sources, "-o", str(exe)]
+    sanitized = ["-Xcompiler", "-fsanitize=undefined", "-Xcompiler", "-fno-sanitize-recover=all", "-lubsan"]
+    build = _run(base[:1] + sanitized + base[1:], timeout=900)
+    if build.returncode != 0:  # a host compiler without UBSan: the same test, unsanitised
+        build = _run(base, timeout=900)
+    assert build.returncode == 0, f"nvcc failed:\n{build.stdout}\n{build.stderr}"
+    result = _run([str(exe)], timeout=600)
+    assert result.returncode == 0, f"host run of the kernel code failed:\n{result.stdout}\n{result.stderr}"
+    assert result.stdout.strip().endswith(" passed, 0 failed"), result.stdout

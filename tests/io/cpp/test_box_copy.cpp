@@ -385,6 +385,176 @@ void test_two_kib_rows(ThreadPool& pool)
   CHECK(local[128 * kLocalCols - 1] == staging[64 * kCols - 1]);
 }
 
+/// `size` bytes starting `page_offset` bytes into a 4 KiB page, with kGuard bytes of `fill` on
+/// both sides inside the same allocation: where the column tests place sources and destinations,
+/// so that rows land at chosen page offsets.
+struct PagedBytes {
+  static constexpr size_t kGuard = 4096;
+  std::vector<unsigned char> storage;
+  unsigned char* data;
+  size_t size;
+
+  PagedBytes(size_t size_, size_t page_offset, unsigned char fill)
+    : storage(2 * kGuard + 4096 + size_, fill), size(size_)
+  {
+    const auto base = reinterpret_cast<uintptr_t>(storage.data() + kGuard);
+    data = storage.data() + kGuard + (4096 - base % 4096) % 4096 + page_offset;
+  }
+
+  bool guards_intact(unsigned char fill) const
+  {
+    for (const unsigned char* p = storage.data(); p < data; ++p) {
+      if (*p != fill) { return false; }
+    }
+    for (const unsigned char* p = data + size; p < storage.data() + storage.size(); ++p) {
+      if (*p != fill) { return false; }
+    }
+    return true;
+  }
+};
+
+void test_column_halves(ThreadPool& pool)
+{
+  // What a Shard(1) load places: a contiguous staging buffer holds the two column halves of a
+  // matrix one after the other, and each half goes to every row of the destination, whose rows are
+  // strided by the full width. With both buffers at the same page offset, every row whose byte
+  // offset is a multiple of 4 KiB on both sides shares its page offset with its source (the rows
+  // forward_copy copies itself); the others go to memcpy. Element sizes 1 to 16 bytes, half rows
+  // from just above forward_copy's minimum to more than a page, lengths that are not multiples of
+  // 16 bytes, page offsets that are not element-aligned, 1100 rows (rows 0, 512 and 1024 share
+  // their page offset even for the odd lengths), tasks of a few rows, with and without streaming.
+  constexpr unsigned char kFill = 0xEE;
+  constexpr int64_t kRows = 1100;
+  struct Case {
+    int32_t elem_size;
+    int64_t half_cols;
+    size_t page_offset;
+  };
+  const Case cases[] = {{1, 257, 0}, {2, 1024, 0}, {2, 1044, 1}, {4, 1024, 64},
+                        {8, 261, 0}, {16, 130, 3},  {2, 2048, 0}, {4, 77, 0}};
+  for (const Case& c : cases) {
+    for (bool streaming : {false, true}) {
+      const int64_t half_bytes = c.half_cols * c.elem_size;
+      const size_t matrix_bytes = static_cast<size_t>(kRows * 2 * half_bytes);
+      PagedBytes src(matrix_bytes, c.page_offset, 0);
+      for (size_t i = 0; i < matrix_bytes; ++i) {
+        src.data[i] = static_cast<unsigned char>(i * 131 + (i >> 9) + 7);
+      }
+      PagedBytes dst(matrix_bytes, c.page_offset, kFill);
+      BoxCopy halves[2];
+      for (int h = 0; h < 2; ++h) {
+        halves[h] = make_box(src.data + h * kRows * half_bytes, dst.data + h * half_bytes, kRaw, kRaw,
+                             {kRows, c.half_cols}, {c.half_cols, 1}, {2 * c.half_cols, 1}, c.elem_size);
+      }
+      box_copy_cpu(halves, 2, pool, 16 << 10, streaming);
+      bool ok = true;
+      for (int64_t r = 0; r < kRows; ++r) {
+        for (int h = 0; h < 2; ++h) {
+          ok = ok && std::memcmp(dst.data + (r * 2 + h) * half_bytes,
+                                 src.data + (h * kRows + r) * half_bytes, half_bytes) == 0;
+        }
+      }
+      CHECK(ok);
+      CHECK(dst.guards_intact(kFill));
+    }
+  }
+
+  // A converting column half (f32 staging into the right half of a bf16 matrix) next to a
+  // same-kind one (f32 into the left half of an f32 matrix), in one batch.
+  constexpr int64_t kHalf = 300;
+  std::vector<float> staging(kRows * kHalf);
+  for (size_t i = 0; i < staging.size(); ++i) {
+    staging[i] = float_of(0x3f800000u | ((static_cast<uint32_t>(i) * 4099u) & 0x7fffffu));  // in [1, 2)
+  }
+  std::vector<uint16_t> narrow(kRows * 2 * kHalf, 0xFFFF);
+  std::vector<float> wide(kRows * 2 * kHalf, -1.0f);
+  BoxCopy mixed[2] = {
+    make_box(staging.data(), narrow.data() + kHalf, kF32, kBF16, {kRows, kHalf}, {kHalf, 1}, {2 * kHalf, 1}),
+    make_box(staging.data(), wide.data(), kF32, kF32, {kRows, kHalf}, {kHalf, 1}, {2 * kHalf, 1})};
+  box_copy_cpu(mixed, 2, pool, 16 << 10);
+  bool ok = true;
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t col = 0; col < kHalf; ++col) {
+      const float v = staging[r * kHalf + col];
+      ok = ok && narrow[r * 2 * kHalf + kHalf + col] == float_to_bfloat16_bits(v);
+      ok = ok && narrow[r * 2 * kHalf + col] == 0xFFFF;
+      ok = ok && wide[r * 2 * kHalf + col] == v && wide[r * 2 * kHalf + kHalf + col] == -1.0f;
+    }
+  }
+  CHECK(ok);
+}
+
+void test_row_groups(ThreadPool& pool)
+{
+  // Boxes that are column slices of the same destination rows are copied row by row together
+  // (row groups). The bytes must be the same whatever is grouped and however the groups are cut:
+  // four uneven column slices of a bf16 matrix passed in shuffled order, next to a slice with
+  // another row count, a 1-D box and a transposed box (none of which join a group); two slices
+  // in different rows less than a pitch apart (grouped too); with grains that put a whole group
+  // in one task with the 1-D box, cut groups into pieces of rows, and cut a group's row in two
+  // (a member that would take the row past the grain starts a group of its own); with streaming
+  // and with prefaulting.
+  constexpr unsigned char kFill = 0xEE;
+  constexpr int64_t kRows = 96;
+  constexpr int64_t kCols = 1024;  // bf16: 2 KiB destination rows
+  const int64_t widths[] = {100, 300, 7, 417};  // columns 200 to 1024
+  const size_t matrix_bytes = kRows * kCols * 2;
+  for (size_t grain : {size_t{1} << 20, size_t{16} << 10, size_t{1200}}) {
+    for (int mode = 0; mode < 3; ++mode) {
+      const bool streaming = mode == 1;
+      const bool prefault = mode == 2;
+      PagedBytes src(3 * matrix_bytes, 0, 0);
+      for (size_t i = 0; i < src.size; ++i) {
+        src.data[i] = static_cast<unsigned char>(i * 97 + (i >> 10) + 1);
+      }
+      PagedBytes dst(3 * matrix_bytes, 0, kFill);
+      std::vector<BoxCopy> boxes;
+      // Another row count: the same pitch, the first 200 columns of the first kRows / 2 rows,
+      // less than a pitch before the slices, but not grouped with them.
+      constexpr int64_t kLeft = 200;
+      boxes.push_back(make_box(src.data, dst.data, kBF16, kBF16, {kRows / 2, kLeft}, {kLeft, 1},
+                               {kCols, 1}));
+      int64_t src_offset = kRows / 2 * kLeft * 2;
+      int64_t column = kLeft;
+      for (int64_t width : widths) {
+        boxes.push_back(make_box(src.data + src_offset, dst.data + column * 2, kBF16, kBF16,
+                                 {kRows, width}, {width, 1}, {kCols, 1}));
+        src_offset += kRows * width * 2;
+        column += width;
+      }
+      std::swap(boxes[1], boxes[4]);
+      std::swap(boxes[2], boxes[3]);
+      // Two slices of the second matrix, 40 rows each, one starting a row below the other's
+      // start row and less than a pitch after it in memory.
+      unsigned char* second = dst.data + matrix_bytes;
+      boxes.push_back(make_box(src.data + src_offset, second + 600 * 2, kBF16, kBF16, {40, 400},
+                               {400, 1}, {kCols, 1}));
+      src_offset += 40 * 400 * 2;
+      boxes.push_back(make_box(src.data + src_offset, second + (kCols + 100) * 2, kBF16, kBF16,
+                               {40, 300}, {300, 1}, {kCols, 1}));
+      src_offset += 40 * 300 * 2;
+      // A 1-D box and a transposed box into the third matrix.
+      unsigned char* third = dst.data + 2 * matrix_bytes;
+      boxes.push_back(make_box(src.data + src_offset, third, kBF16, kBF16, {500}, {1}, {1}));
+      src_offset += 500 * 2;
+      boxes.push_back(make_box(src.data + src_offset, third + 1024, kBF16, kBF16, {32, 48}, {1, 32},
+                               {48, 1}));
+      box_copy_cpu(boxes.data(), boxes.size(), pool, grain, streaming, prefault);
+      bool ok = true;
+      for (const BoxCopy& box : boxes) {
+        ok = ok && box_landed(box);
+      }
+      CHECK(ok);
+      // Bytes no box covers keep the fill: the left part of the rows past kRows / 2 of the first
+      // matrix, and everything around the slices of the second.
+      CHECK(dst.data[(kRows / 2) * kCols * 2] == kFill && dst.data[(kRows - 1) * kCols * 2] == kFill);
+      CHECK(second[600 * 2 - 1] == kFill && second[1000 * 2] == kFill);
+      CHECK(second[(kCols + 99) * 2] == kFill && second[(kCols + 400) * 2] == kFill);
+      CHECK(dst.guards_intact(kFill));
+    }
+  }
+}
+
 void test_many_small_boxes(ThreadPool& pool)
 {
   // 5000 tensors of 64 floats packed back to back in one staging buffer, each going to its own
@@ -721,6 +891,8 @@ int main()
   test_transposed_2d(pool);
   test_3d_with_gaps(pool);
   test_two_kib_rows(pool);
+  test_column_halves(pool);
+  test_row_groups(pool);
   test_many_small_boxes(pool);
   test_large_split_boxes(pool);
   test_prefault_into_fresh_pages(pool);

@@ -1,11 +1,14 @@
 // stream_copy against memcpy: lengths around the streaming threshold and the 64-byte line, every
 // combination of misaligned source and destination, and guard bytes on both sides of the
 // destination that must stay untouched (the unaligned head and the tail go through memcpy).
+// forward_copy the same way, with source and destination at equal page offsets (its own loop) and
+// at different ones (memcpy).
 #include "stream_copy.hpp"
 
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -22,10 +25,64 @@ void check(bool ok, const char* what, size_t n, size_t src_offset, size_t dst_of
   }
 }
 
+/// One buffer of `size` bytes that starts `page_offset` bytes into a 4 KiB page, with kGuardBytes
+/// of `fill` before and after it inside the same allocation.
+struct PagedBuffer {
+  static constexpr size_t kGuardBytes = 4096;
+  std::vector<unsigned char> storage;
+  unsigned char* data;
+  size_t size;
+
+  PagedBuffer(size_t size_, size_t page_offset, unsigned char fill)
+    : storage(2 * kGuardBytes + 4096 + size_, fill), size(size_)
+  {
+    const auto base = reinterpret_cast<std::uintptr_t>(storage.data() + kGuardBytes);
+    const size_t to_page = (4096 - base % 4096) % 4096;
+    data = storage.data() + kGuardBytes + to_page + page_offset % 4096;
+  }
+
+  bool guards_intact(unsigned char fill) const
+  {
+    for (const unsigned char* p = storage.data(); p < data; ++p) {
+      if (*p != fill) { return false; }
+    }
+    for (const unsigned char* p = data + size; p < storage.data() + storage.size(); ++p) {
+      if (*p != fill) { return false; }
+    }
+    return true;
+  }
+};
+
+void test_forward_copy()
+{
+  constexpr unsigned char kSentinel = 0x5A;
+  const size_t min = fastdcp::kForwardCopyMinBytes;
+  const size_t sizes[] = {0, 1, 63, min - 1, min, min + 1, min + 63, 4096, 4096 + 37, (size_t{1} << 20) + 5};
+  // Equal page offsets take the forward loop (head lengths 0, 1, 63 and 64 - 13 before the first
+  // line); unequal ones go to memcpy, 4 KiB apart or not.
+  const std::pair<size_t, size_t> offsets[] = {{0, 0},    {1, 1},       {63, 63},       {13, 13},
+                                               {4095, 4095}, {0, 2048}, {64, 0},        {7, 3}};
+  for (size_t n : sizes) {
+    for (const auto& [src_offset, dst_offset] : offsets) {
+      PagedBuffer src(n, src_offset, 0);
+      for (size_t i = 0; i < n; ++i) {
+        src.data[i] = static_cast<unsigned char>(i * 151 + 11 + (i >> 11));
+      }
+      PagedBuffer dst(n, dst_offset, kSentinel);
+      fastdcp::forward_copy(dst.data, src.data, n);
+      check(n == 0 || std::memcmp(dst.data, src.data, n) == 0, "forward_copy: bytes equal", n,
+            src_offset, dst_offset);
+      check(dst.guards_intact(kSentinel), "forward_copy: bytes outside the destination untouched", n,
+            src_offset, dst_offset);
+    }
+  }
+}
+
 }  // namespace
 
 int main()
 {
+  test_forward_copy();
   constexpr size_t kGuard = 128;
   constexpr unsigned char kSentinel = 0xA5;
   const size_t min = fastdcp::kStreamCopyMinBytes;
