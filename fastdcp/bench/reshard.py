@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..io.phases import recording
 from .pagecache import COLD_DROP, make_cold, warm_files
 from .process_group import exit_spawned_rank, free_port
 from .state import (StateSpec, VerificationError, compare_tensor, corrupt_one_byte, fill_box,
@@ -208,7 +209,8 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
                         if job.load_device == "cuda":
                             torch.cuda.synchronize()  # the data is in place, not only queued
 
-                    dt, nread = timed(load)
+                    with recording() as recorder:  # rank 0's phases (fastdcp.io.phases)
+                        dt, nread = timed(load)
                     err = _verify(job, s.name, spec, expected, dest,
                                   f"reshard/{job.where}/{layout}/{cache} rank {rank}")
                     flag = torch.tensor([0 if err is None else 1])
@@ -217,8 +219,10 @@ def _rank_main(rank: int, job: ReshardJob, ws: int, port: int, t_launch: float) 
                         failure = err
                     if int(flag) and failure is None:
                         failure = f"reshard/{job.where}/{layout}: verification failed on another rank"
+                    phases = recorder.phases(recorder.wall)
                     records.append({"system": s.name, "op": "load", "layout": layout, "cache": cache,
-                                    "seconds": dt, "bytes_read": nread, "rep": rep})
+                                    "seconds": dt, "bytes_read": nread, "rep": rep,
+                                    **({"phases": phases} if len(phases) > 1 else {})})
                     if int(flag):
                         raise VerificationError(failure)
         records.append({"op": "timing", "start_s": t_start - t_launch, "init_s": t_ready - t_start,
@@ -335,6 +339,8 @@ def run_reshard(ctx, wheres: list[str]) -> None:
                         cfg["device"] = "cuda"
                         limit = f"min(h2d,{limit})"
                 extra = {} if r["bytes_read"] is None else {"bytes_read": r["bytes_read"]}
+                if r.get("phases"):
+                    extra["phases"] = r["phases"]
                 ctx.recorder.add("reshard", where, r["system"], cfg, nbytes, r["seconds"], limit,
                                  descr[r["system"]], **extra)
                 amp = f" read {r['bytes_read'] / nbytes:4.2f}x" if r["bytes_read"] else ""
