@@ -2,6 +2,7 @@
 //   g++ -std=c++17 -O2 -pthread -I csrc tests/io/cpp/test_box_copy.cpp csrc/box_copy.cpp
 //       csrc/prefault.cpp csrc/stream_copy.cpp csrc/thread_pool.cpp -o test_box_copy
 // It prints "N passed, M failed" and exits non-zero when anything failed.
+#include "paged_buffer.hpp"
 #include "box_copy.hpp"
 #include "thread_pool.hpp"
 
@@ -385,33 +386,6 @@ void test_two_kib_rows(ThreadPool& pool)
   CHECK(local[128 * kLocalCols - 1] == staging[64 * kCols - 1]);
 }
 
-/// `size` bytes starting `page_offset` bytes into a 4 KiB page, with kGuard bytes of `fill` on
-/// both sides inside the same allocation: where the column tests place sources and destinations,
-/// so that rows land at chosen page offsets.
-struct PagedBytes {
-  static constexpr size_t kGuard = 4096;
-  std::vector<unsigned char> storage;
-  unsigned char* data;
-  size_t size;
-
-  PagedBytes(size_t size_, size_t page_offset, unsigned char fill)
-    : storage(2 * kGuard + 4096 + size_, fill), size(size_)
-  {
-    const auto base = reinterpret_cast<uintptr_t>(storage.data() + kGuard);
-    data = storage.data() + kGuard + (4096 - base % 4096) % 4096 + page_offset;
-  }
-
-  bool guards_intact(unsigned char fill) const
-  {
-    for (const unsigned char* p = storage.data(); p < data; ++p) {
-      if (*p != fill) { return false; }
-    }
-    for (const unsigned char* p = data + size; p < storage.data() + storage.size(); ++p) {
-      if (*p != fill) { return false; }
-    }
-    return true;
-  }
-};
 
 void test_column_halves(ThreadPool& pool)
 {
@@ -436,11 +410,11 @@ void test_column_halves(ThreadPool& pool)
     for (bool streaming : {false, true}) {
       const int64_t half_bytes = c.half_cols * c.elem_size;
       const size_t matrix_bytes = static_cast<size_t>(kRows * 2 * half_bytes);
-      PagedBytes src(matrix_bytes, c.page_offset, 0);
+      PagedBuffer src(matrix_bytes, c.page_offset, 0);
       for (size_t i = 0; i < matrix_bytes; ++i) {
         src.data[i] = static_cast<unsigned char>(i * 131 + (i >> 9) + 7);
       }
-      PagedBytes dst(matrix_bytes, c.page_offset, kFill);
+      PagedBuffer dst(matrix_bytes, c.page_offset, kFill);
       BoxCopy halves[2];
       for (int h = 0; h < 2; ++h) {
         halves[h] = make_box(src.data + h * kRows * half_bytes, dst.data + h * half_bytes, kRaw, kRaw,
@@ -503,11 +477,11 @@ void test_row_groups(ThreadPool& pool)
     for (int mode = 0; mode < 3; ++mode) {
       const bool streaming = mode == 1;
       const bool prefault = mode == 2;
-      PagedBytes src(3 * matrix_bytes, 0, 0);
+      PagedBuffer src(3 * matrix_bytes, 0, 0);
       for (size_t i = 0; i < src.size; ++i) {
         src.data[i] = static_cast<unsigned char>(i * 97 + (i >> 10) + 1);
       }
-      PagedBytes dst(3 * matrix_bytes, 0, kFill);
+      PagedBuffer dst(3 * matrix_bytes, 0, kFill);
       std::vector<BoxCopy> boxes;
       // Another row count: the same pitch, the first 200 columns of the first kRows / 2 rows,
       // less than a pitch before the slices, but not grouped with them.

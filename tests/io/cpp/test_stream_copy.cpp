@@ -3,6 +3,7 @@
 // destination that must stay untouched (the unaligned head and the tail go through memcpy).
 // forward_copy the same way, with source and destination at equal page offsets (its own loop) and
 // at different ones (memcpy).
+#include "paged_buffer.hpp"
 #include "stream_copy.hpp"
 
 #include <cstdint>
@@ -25,33 +26,6 @@ void check(bool ok, const char* what, size_t n, size_t src_offset, size_t dst_of
   }
 }
 
-/// One buffer of `size` bytes that starts `page_offset` bytes into a 4 KiB page, with kGuardBytes
-/// of `fill` before and after it inside the same allocation.
-struct PagedBuffer {
-  static constexpr size_t kGuardBytes = 4096;
-  std::vector<unsigned char> storage;
-  unsigned char* data;
-  size_t size;
-
-  PagedBuffer(size_t size_, size_t page_offset, unsigned char fill)
-    : storage(2 * kGuardBytes + 4096 + size_, fill), size(size_)
-  {
-    const auto base = reinterpret_cast<std::uintptr_t>(storage.data() + kGuardBytes);
-    const size_t to_page = (4096 - base % 4096) % 4096;
-    data = storage.data() + kGuardBytes + to_page + page_offset % 4096;
-  }
-
-  bool guards_intact(unsigned char fill) const
-  {
-    for (const unsigned char* p = storage.data(); p < data; ++p) {
-      if (*p != fill) { return false; }
-    }
-    for (const unsigned char* p = data + size; p < storage.data() + storage.size(); ++p) {
-      if (*p != fill) { return false; }
-    }
-    return true;
-  }
-};
 
 void test_forward_copy()
 {
