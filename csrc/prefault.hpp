@@ -3,7 +3,7 @@
 // The first async_save of a process copies the state into a new staging slab, and every 4 KiB
 // page of it is faulted in by the copy's first store: one trap into the kernel per page. Asking
 // the kernel to populate a whole piece first (MADV_POPULATE_WRITE, Linux 5.14) does the same work
-// without the traps. Measured on the 2-core development VM (Intel host), 1 GiB copied by the
+// without the traps. Measured on a 2-core VM (Intel host), 1 GiB copied by the
 // engine's box copy on 2 threads into a new private mapping: 0.19-0.20 s with each 1 MiB piece
 // populated first against 0.26 s page by page (torch's copy_: 0.22 s) when the kernel had the
 // memory at hand; 0.35-0.42 s against 0.43 s for the first such mapping of a process, where the

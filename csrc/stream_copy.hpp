@@ -4,8 +4,8 @@
 // An async_save staging copy writes hundreds of MiB into a slab that nothing reads again soon (the
 // writer sends it to storage from another thread). A plain memcpy of such a run pays a
 // read-for-ownership of every destination line and evicts the cache; streaming stores write whole
-// lines straight to memory instead. Measured with a standalone C program on the 2-core
-// development VM, 1 GiB in 1 MiB pieces on 2 threads: 53 ms with memcpy, 42 ms streaming.
+// lines straight to memory instead. Measured with a standalone C program on a 2-core VM,
+// 1 GiB in 1 MiB pieces on 2 threads: 53 ms with memcpy, 42 ms streaming.
 //
 // A strided box (the column half of a matrix, say) is copied row by row. glibc's x86-64 memcpy
 // copies a run of a few KiB backwards when the destination lies less than 256 bytes after the

@@ -1,7 +1,7 @@
 """``python -m fastdcp.bench gpu-acceptance --out DIR [--budget-s N] [--dry-run]``: one command
 that proves fastdcp's GPU path on a fresh GPU machine inside one time budget.
 
-A GPU machine is lent now and then, for minutes, and starts bare. This command turns those
+A GPU machine may be available for minutes only, and start bare. This command turns those
 minutes into results: it runs the steps below in order (correctness before speed), each in a
 child process with its own time limit, and writes every result the moment it exists:
 

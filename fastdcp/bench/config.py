@@ -62,7 +62,7 @@ class BenchConfig:
     checkpoint: str | None = None           # existing checkpoint: load scenarios only
     small_count: int = 5000
     small_bytes: int = 1 * KiB
-    small_large_count: int = 0              # the criterion: 5,000 x 1 KiB and nothing else
+    small_large_count: int = 0              # the target's case: 5,000 x 1 KiB and nothing else
     small_large_bytes: int = 64 * MiB
     floor: bool = True                      # measure DCP's floor (no-I/O storage) in `small`
     fresh_planners: bool = False            # a new planner object per call instead of one reused

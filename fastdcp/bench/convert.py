@@ -13,7 +13,7 @@ training run's checkpoint), then converted, interleaved per repeat:
 Each conversion runs in this process, timed from the call to its return, and the peak extra
 resident memory it needed is measured (``host_peak.HostPeak``). The last repeat's outputs are loaded back (``safetensors.torch.load_file`` /
 ``torch.load``) and compared bit-exact with the state. Both sides share the same interpreter, so
-the times exclude Python and torch start-up (about 3 s on the development machine, identical for
+the times exclude Python and torch start-up (about 3 s on a 2-core VM, identical for
 both); the command-line numbers are in docs/performance.md next to these.
 """
 

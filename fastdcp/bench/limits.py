@@ -307,7 +307,7 @@ class WriteSource:
     A save writes a state that lives in memory and is far larger than the CPU's caches, so every
     byte it writes is first read from DRAM. A probe that writes one cache-resident block over and
     over skips that read: on a memory filesystem, where a write is a copy into new pages, it
-    measured 6.3 GiB/s on the development VM against 5.1 GiB/s for the same write from a 1 GiB
+    measured 6.3 GiB/s on a 2-core VM against 5.1 GiB/s for the same write from a 1 GiB
     state, a limit no save can reach. So write probes write distinct bytes from this buffer."""
 
     def __init__(self) -> None:

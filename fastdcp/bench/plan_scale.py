@@ -69,7 +69,7 @@ Checks (a failure raises VerificationError at the end of the scenario): the refe
 equal the planner's on the sample ranks; at N <= ``VERIFY_METADATA_MAX_RANKS`` fastdcp's
 ``.metadata`` unpickles with plain ``pickle`` to the same ``state_dict_metadata`` as stock's; the
 load plans of both systems are equal on rank 1. fastdcp/bench/plan_scale_report.py makes the
-table, the growth exponents, the issue's bars and the JSON.
+table, the growth exponents, the targets and the JSON.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The `plan_scale` report (fastdcp/bench/plan_scale.py): per N, every step of both systems side
 by side (seconds, peak memory, stock/fastdcp, growth exponent since the previous N), the
-protocol's totals, the checks, and at the largest N the issue's bars, each marked; and the same
+protocol's totals, the checks, and at the largest N the targets, each marked; and the same
 as one JSON document.
 
 Rank-side steps show the slowest of the measured sample ranks; coordinator steps the one
@@ -217,7 +217,7 @@ def metadata_reads(summary: SystemSummary) -> dict[str, dict[str, Any]]:
     return out
 
 
-SCALE_BARS_AT_RANKS = 16384  # the rank count the resume-at-scale issue set its bars at
+SCALE_BARS_AT_RANKS = 16384  # the rank count the resume-at-scale targets are set at
 
 
 def scale_bars(systems: dict[tuple[str, int], SystemSummary]) -> tuple[int | None, list[Bar]]:
@@ -267,12 +267,12 @@ def scale_bars(systems: dict[tuple[str, int], SystemSummary]) -> tuple[int | Non
 
 # --------------------------------------------------------------------------- bars
 
-BARS_AT_RANKS = 4096  # the rank count the planning issue set its bars at
+BARS_AT_RANKS = 4096  # the rank count the planning targets are set at
 
 
 @dataclasses.dataclass
 class Bar:
-    """One of the issue's bars, checked at the run's largest N."""
+    """One of the targets, checked at the run's largest N."""
 
     name: str
     value: str
@@ -286,7 +286,7 @@ def _ratio_bar(name: str, fast: float | None, stock: float | None, limit: float)
 
 
 def bars(systems: dict[tuple[str, int], SystemSummary]) -> tuple[int | None, list[Bar]]:
-    """The issue's bars for fastdcp at the largest N measured (with stock's run at that N where
+    """The targets for fastdcp at the largest N measured (with stock's run at that N where
     a bar compares with stock); the growth bar between the two largest N."""
     ns = sorted({n for (name, n) in systems if name == "fastdcp"})
     if not ns:
@@ -461,7 +461,7 @@ def plan_scale_lines(results: list[Result]) -> list[str]:
                    f"{n:,}; the JSON records them): --plan-ranks {BARS_AT_RANKS} runs them")
     elif bar_list:
         out.append("")
-        out.append(f"plan_scale bars (the issue's, for fastdcp at N={n:,}):")
+        out.append(f"plan_scale targets (for fastdcp at N={n:,}):")
         for bar in bar_list:
             mark = "n/a " if bar.passed is None else ("PASS" if bar.passed else "FAIL")
             out.append(f"  [{mark}] {bar.name}: {bar.value}")

@@ -1,7 +1,7 @@
 """The raw limit again, inside the save and load loops: ``raw_io``.
 
 The storage probe (limits.py) runs once, before the scenarios. On shared or virtual disks the
-storage's speed drifts during a run: on the development VM every system's saves slowed from
+storage's speed drifts during a run: on a 2-core VM every system's saves slowed from
 repeat to repeat while the host wrote back (safetensors 0.98 -> 0.42 GiB/s in one run), so a
 fraction of a limit probed minutes earlier mixes the system's speed with the drift. ``raw_io``
 runs the probe's best configuration (I/O mode, block, threads, files) on the state's bytes as one

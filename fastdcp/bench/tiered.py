@@ -42,7 +42,7 @@ copy and through ``fastdcp.FastTieredReader`` (which tier it chose is recorded),
 scribbled destination, compared bit-exact with the copy taken at its ``async_save`` call; a
 mismatch raises VerificationError.
 
-Judged under the table (the issue's targets): the tiered loop within 10% of fastdcp_local's; its
+Judged under the table (the targets): the tiered loop within 10% of fastdcp_local's; its
 median ``durable_shared_s`` no later than the faster direct system's; every load bit-exact.
 
 Caveat: the drain of a tiered checkpoint may still run while the loop's clock is stopped for the
@@ -80,7 +80,7 @@ NONE = "none"                    # the loop without checkpoints
 STOCK, FASTDCP, LOCAL_ONLY, TIERED = "stock", "fastdcp", "fastdcp_local", "fastdcp_tiered"
 TIERED_SYSTEMS = (STOCK, FASTDCP, LOCAL_ONLY, TIERED)
 DIRECT_SYSTEMS = (STOCK, FASTDCP)  # saving straight to the shared tier
-LOOP_TARGET = 0.10               # the issue: a tiered loop within 10% of a local-only one
+LOOP_TARGET = 0.10               # target: a tiered loop within 10% of a local-only one
 DRAIN_WAIT_S = 600.0             # after a loop: most seconds to wait for its shared commits
 # Room the local tier needs per byte of a loop's checkpoints to keep them all (the metadata and
 # the file layout add a little).
@@ -527,7 +527,7 @@ def _cell(x: float | None, fmt: str) -> str:
 
 
 def _verdicts(rows: list[TieredRow]) -> list[str]:
-    """The issue's targets, per case, for the tiered system measured."""
+    """The targets, per case, for the tiered system measured."""
     out = []
     for tiered in (r for r in rows if r.system == TIERED):
         case = [r for r in rows if (r.where, r.device) == (tiered.where, tiered.device)]

@@ -20,11 +20,11 @@ DIRECT_ALIGN: int = int(_C.build_info()["direct_align"])
 
 _DEFAULT_WRITE_TASK_BYTES = 8 << 20
 # Reads gain from larger requests: cold sequential reads measured ~12% faster at 32 MiB than at
-# 8 MiB on the development disk (more readahead per request), warm reads are unaffected.
+# 8 MiB on a virtio disk (more readahead per request), warm reads are unaffected.
 _DEFAULT_READ_TASK_BYTES = 32 << 20
 _DEFAULT_READ_BUDGET = 512 << 20
 # O_DIRECT reads get no kernel readahead: the requests in flight are the device's whole queue.
-# Measured cold on the development VM's virtio disk (ext4, 1 GiB, 32 MiB requests, 4 interleaved
+# Measured cold on a 2-core VM's virtio disk (ext4, 1 GiB, 32 MiB requests, 4 interleaved
 # loads each): 4 threads 1.43 GiB/s, 8 threads 1.67, 16 threads 1.60; buffered 1.35 at any count.
 _DIRECT_READ_MIN_THREADS = 8
 

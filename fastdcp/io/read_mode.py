@@ -1,7 +1,7 @@
 """Which read mode a load uses, the page cache or O_DIRECT: the page cache whenever the files are in
 it, otherwise what the process's own cold loads from that filesystem measured.
 
-Measured on the development VM (ext4 on virtio, 1 GiB, fastdcp load): files in the page cache read
+Measured on a 2-core VM (ext4 on virtio, 1 GiB, fastdcp load): files in the page cache read
 at 7.4-8.1 GiB/s buffered and at 0.83-0.95 GiB/s with O_DIRECT (which goes to the disk even for
 cached pages), so a file in the page cache must be read buffered. Cold files read at 0.95-1.05 GiB/s
 buffered and 0.80-1.04 GiB/s with O_DIRECT, a tie there, while on fast NVMe O_DIRECT wins (it skips
@@ -30,7 +30,7 @@ the copy out of the page cache and the cache's own bookkeeping). A reader left a
    loads is corrected. A filesystem that refused O_DIRECT (any file fell back) reads buffered
    from then on (``"O_DIRECT refused"``).
 
-Cost of the residency check, measured on the development VM: ~0.15-0.3 ms for a cached 1 GiB file
+Cost of the residency check, measured on a 2-core VM: ~0.15-0.3 ms for a cached 1 GiB file
 (4096 pages sampled; ~0.2% of reading it from the page cache at ~8 GiB/s), and ~1.3 ms for a
 1000-file checkpoint (1000 x 64 KiB, stock's file per item; 64 files sampled) whose warm load took
 ~230 ms (0.6%); checking all 1000 files took ~11 ms, hence the sampling: at most

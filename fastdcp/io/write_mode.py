@@ -2,7 +2,7 @@
 saves themselves.
 
 Neither mode wins everywhere: O_DIRECT skips the page-cache copy and wins on fast local NVMe;
-buffered writes + fsync were ~1.5x faster on one host of the development VM's virtio disk, and
+buffered writes + fsync were ~1.5x faster on one host of a 2-core VM's virtio disk, and
 network or parallel filesystems are reported 2-5x slower with O_DIRECT on some setups. A writer
 left at its default (no ``direct_io=`` argument, no ``FASTDCP_DIRECT_IO``) therefore asks this
 module for each save:

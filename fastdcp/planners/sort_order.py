@@ -3,7 +3,7 @@
 The coordinator's bulk global plan sorts one int64 key per row twice (dedup by (fqn, offsets), then
 the kept rows by entry); at 16,384 ranks that is ~20 M keys a sort, where torch's comparison sort
 costs ~2.4 s on one core and the extension's radix sort (``fastdcp._C.stable_argsort_u64``, over
-the bits the keys actually use) ~1 s (36-bit keys; measured on the 2-core development VM).
+the bits the keys actually use) ~1 s (36-bit keys; measured on a 2-core VM).
 """
 
 from __future__ import annotations

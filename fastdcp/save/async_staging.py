@@ -150,7 +150,7 @@ class StagingSession:
         return bool(self._streamed)
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` (an object of a staged state dict) is one this session handed out."""
+        """Whether ``tensor`` (an object of a staged state dict) is one this staging session handed out."""
         return id(tensor) in self._ids
 
     # -- the copy thread ------------------------------------------------------------------------ #

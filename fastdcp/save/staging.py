@@ -65,7 +65,7 @@ __all__ = ["StateDictStager", "StagingLayout"]
 
 _SMALL_ALIGN = 64
 # A process-mode save's first move holds the GIL for one segment's page reservation at a time:
-# ~17 ms for 64 MiB on the development VM, and no longer than stock's per-tensor moves once a
+# ~17 ms for 64 MiB on a 2-core VM, and no longer than stock's per-tensor moves once a
 # tensor is that big (see fastdcp.io.host_memory).
 SEGMENT_BYTES = 64 << 20
 
@@ -251,7 +251,7 @@ def _enqueue_copies(copies: Iterable[tuple[torch.Tensor, torch.Tensor, str]], co
 def _fill_slab(engine: Any, boxes: list[tuple], fresh: bool) -> None:
     """Run the byte-copy ``boxes`` into slab views on ``engine``'s threads, the way the slab's
     pages want: a reused slab (``fresh`` false) is already faulted in, so it gets streaming stores
-    (1 GiB in 36 ms against 48 ms for ``copy_``, on the development VM); into new pages streaming
+    (1 GiB in 36 ms against 48 ms for ``copy_``, on a 2-core VM); into new pages streaming
     stores are twice as slow (see ``box_copy.hpp``), so a new slab gets plain stores, each task
     first having the kernel fault in its pages in one call (``prefault``, see ``prefault.hpp``:
     1 GiB in 0.19-0.20 s against 0.26 s faulting page by page, on an Intel host). The caller keeps

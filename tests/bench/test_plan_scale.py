@@ -357,7 +357,7 @@ def test_plan_scale_end_to_end(tmp_path, capsys):
     assert doc["bars_at_ranks"] == 4 and len(doc["bars"]) == 9
     assert "plan_scale N=4" in captured.out
     # a small run prints no development bars (they are set at 4,096 ranks), only where to find them
-    assert "plan_scale bars" not in captured.out and "[FAIL]" not in captured.out
+    assert "plan_scale targets" not in captured.out and "[FAIL]" not in captured.out
     assert "development targets are judged at N >= 4,096" in captured.out
 
 
@@ -415,10 +415,10 @@ def test_bars_print_at_the_scale_they_were_set_at(monkeypatch):
     import fastdcp.bench.plan_scale_report as report
 
     recorded = _recorded({("stock", 4): 1.0, ("fastdcp", 4): 0.05}).results
-    assert not any("plan_scale bars" in line for line in plan_scale_lines(recorded))
+    assert not any("plan_scale targets" in line for line in plan_scale_lines(recorded))
     monkeypatch.setattr(report, "BARS_AT_RANKS", 4)
     lines = plan_scale_lines(recorded)
-    assert any(line.startswith("plan_scale bars") for line in lines)
+    assert any(line.startswith("plan_scale targets") for line in lines)
     assert any(line.strip().startswith("[PASS]") for line in lines)
 
 
