@@ -160,6 +160,41 @@ def test_async_save_by_checkpoint_id_stages_and_writes_with_fastdcp(tmp_path, mo
     assert_stock_loads(path, expected)
 
 
+def _accelerate_style_save_and_load(ckpt_dir: Path, sd: dict[str, Any], dest: dict[str, Any]) -> None:
+    """Accelerate's ``save_fsdp_model`` / ``load_fsdp_model`` for a sharded state: the storage classes
+    looked up on ``torch.distributed.checkpoint`` when called, passed explicitly with stock planners."""
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    dist_cp.save(state_dict={"model": sd}, storage_writer=dist_cp.FileSystemWriter(ckpt_dir),
+                 planner=DefaultSavePlanner(), no_dist=True)
+    dist_cp.load(state_dict={"model": dest}, storage_reader=dist_cp.FileSystemReader(ckpt_dir),
+                 planner=DefaultLoadPlanner(), no_dist=True)
+
+
+def test_frameworks_that_name_stocks_classes_take_fastdcp_by_replacing_the_names(tmp_path, read_data_calls,
+                                                                                 monkeypatch):
+    # README "Frameworks": where a framework passes its own FileSystemWriter (Accelerate, Transformers'
+    # Trainer through it), enable() changes nothing, and pointing the names at fastdcp's classes does.
+    sd, expected = state(5), C.deepcopy_state_dict(state(5))
+    with fastdcp.enable():
+        dest = C.destination_for(expected)
+        _accelerate_style_save_and_load(tmp_path / "as_is", sd, dest)
+    assert_written_by("stock", tmp_path / "as_is")
+    assert read_data_calls == []
+
+    monkeypatch.setattr(dcp, "FileSystemWriter", FastFileSystemWriter)
+    monkeypatch.setattr(dcp, "FileSystemReader", FastFileSystemReader)
+    dest = C.destination_for(expected)
+    _accelerate_style_save_and_load(tmp_path / "replaced", sd, dest)
+    assert_written_by("fast", tmp_path / "replaced")
+    assert read_data_calls == [FastFileSystemReader]
+    C.assert_same(dest, expected)
+    monkeypatch.undo()
+    dest = C.destination_for({"model": expected})
+    C.load_in_place_and_check(FileSystemReader(tmp_path / "replaced"), {"model": expected}, dest)
+
+
 def test_disable_restores_stock_exactly(tmp_path):
     fastdcp.enable()
     assert fastdcp.is_enabled()
