@@ -347,9 +347,12 @@ def plan_mismatch_message(local_fqns: list[str], keep_count: int | None, kept_co
     if local_count > seen:
         extra = local_fqns[seen:]
         names = ", ".join(repr(name) for name in extra[:shown]) + (", ..." if len(extra) > shown else "")
-        differs = f"the local plan has {local_count - seen} more items than the coordinator saw, from {names} on"
+        more = local_count - seen
+        differs = (f"the local plan has {more} more item{'s' * (more != 1)} than the coordinator saw, "
+                   f"from {names} on")
     else:
-        differs = f"the local plan has {seen - local_count} fewer items than the coordinator saw"
+        fewer = seen - local_count
+        differs = f"the local plan has {fewer} fewer item{'s' * (fewer != 1)} than the coordinator saw"
     return (f"FastSavePlanner: the global save plan {who} received does not match the local plan it sent: "
             f"the coordinator planned {global_count} items for it, but {counts}; {differs}. The local plan "
             f"changed after it was sent to the coordinator: a custom planner or hook edited a plan's item "

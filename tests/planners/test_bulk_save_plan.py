@@ -345,5 +345,5 @@ def test_a_local_plan_edited_after_it_was_sent_is_a_clear_error(processes, edit)
     if edit == "add":
         assert "'added.after.the.gather'" in message, message
     else:
-        assert "the local plan has 1 fewer items" in message, message
+        assert "the local plan has 1 fewer item than" in message, message
     assert "in place" in message and "fastdcp.planners.clear_plan_caches()" in message, message
