@@ -44,10 +44,12 @@ try:
     from . import _C  # noqa: E402
 except ImportError as _exc:
     if not _acceptance_bootstrap():
-        raise ImportError(
-            f"fastdcp's compiled extension fastdcp._C is not built or cannot be loaded ({_exc}); build it with "
-            f"`pip install --no-build-isolation -e .` (or `python setup.py build_ext --inplace`) "
-            f"in the source tree") from _exc
+        from pathlib import Path as _Path
+
+        from ._extension_error import import_failure_message
+
+        raise ImportError(import_failure_message(_exc, _Path(__file__).parent, torch.__version__,
+                                                 torch.version.cuda)) from _exc
     _C = None  # the acceptance command orchestrates only; its children import the built package
 
 if _C is not None:  # noqa: E402 - the public API, once the extension is there

@@ -139,6 +139,10 @@ class CudaCopier:
         """Enqueue every ``dst.copy_(src)``: per device, the plain byte copies in one native call,
         the rest with ``copy_`` (see the module docstring)."""
         native = _native_batch()
+        if native is None:
+            from .cuda_build import warn_if_slow_gpu_path
+
+            warn_if_slow_gpu_path(bool(pairs))
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
             by_device.setdefault(src.device, []).append((dst, src))

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from .. import _C
 from ..io.engine import IoOptions
 from ..io.copy_engine import is_standin_device_tensor
+from ..io.cuda_build import warn_if_slow_gpu_path
 from . import gpu_placement
 from .pieces import (
     MAX_BOX_DIMS,
@@ -97,9 +98,14 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
     # go through the same pipeline on the stand-in device.
     gpu_pieces: list[Piece] = []
     use_gpu = gpu_placement.gpu_placement_available()
+    slow_cuda = False  # a CUDA destination without the CUDA placement (an extension built without CUDA)
 
     def on_device(dest: torch.Tensor) -> bool:
-        return (use_gpu and dest.device.type == "cuda") or is_standin_device_tensor(dest)
+        nonlocal slow_cuda
+        if dest.device.type == "cuda":
+            slow_cuda = slow_cuda or not use_gpu
+            return use_gpu
+        return is_standin_device_tensor(dest)
     # --- end device destinations
     for placement in placements:
         for piece in placement.pieces:
@@ -117,6 +123,7 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
                 run_tables.append((piece.file, direct_run_table(piece)))
             else:
                 staged.extend(split_to_budget(piece, half_budget))
+    warn_if_slow_gpu_path(slow_cuda)
     if run_tables:
         read(run_tables)
     place(boxes)

@@ -126,22 +126,85 @@ _stores: dict[tuple, Any] = {}
 _stores_lock = threading.Lock()
 
 
-def _credential_provider(options: S3Options) -> Any:
+# What a user sets to give the client credentials: said by every credential error.
+CREDENTIAL_HELP = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary credentials), "
+    "or AWS_PROFILE naming a profile of ~/.aws/config, or pass "
+    "S3Options(access_key_id=..., secret_access_key=...)"
+)
+# Paths of the instance metadata service: obstore's last resort for credentials. A request to one
+# of them failing means that no credentials were found anywhere before it.
+_METADATA_PATHS = ("/latest/api/token", "/latest/meta-data/")
+
+
+def _credential_provider(location: ObjectLocation, options: S3Options) -> Any:
     """boto3's credential chain when no key is given or in the environment and boto3 is installed
     (profiles, SSO, ``~/.aws``), else None (obstore's own chain: environment, web identity,
-    container and instance credentials)."""
+    container and instance credentials). A broken AWS configuration (a missing profile, a
+    half-written or unparsable config file) raises :class:`ObjectAccessError` naming ``location``."""
     if options.access_key_id or os.environ.get("AWS_ACCESS_KEY_ID"):
         return None
     try:
         import boto3  # noqa: F401
+        from botocore.exceptions import BotoCoreError
         from obstore.auth.boto3 import Boto3CredentialProvider
     except ImportError:
         return None
     try:
-        provider = Boto3CredentialProvider()
-    except Exception:  # noqa: BLE001 - boto3 found no credentials: obstore's chain may
+        return Boto3CredentialProvider()
+    except ValueError:  # boto3's chain found no credentials at all: obstore's own chain may
         return None
-    return provider
+    except BotoCoreError as error:
+        raise ObjectAccessError(_aws_config_message(location, options, error)) from error
+
+
+def _aws_config_message(location: ObjectLocation, options: S3Options, error: BaseException) -> str:
+    """What is wrong with the AWS configuration boto3 read for ``location``, and how to fix it."""
+    profile = os.environ.get("AWS_PROFILE")
+    config_file = os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")
+    credentials_file = os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")
+    source = f"AWS_PROFILE={profile!r}" if profile else "the default profile"
+    return (f"cannot get S3 credentials for {location.url()} ({options.describe()}): the AWS configuration "
+            f"({source}, {config_file}, {credentials_file}) is invalid: {error}. Fix that profile or file, "
+            f"or {CREDENTIAL_HELP}")
+
+
+def _endpoint_source(options: S3Options) -> str:
+    """Which setting :meth:`S3Options.endpoint` took the endpoint from."""
+    if options.endpoint_url and options.endpoint_url.strip():
+        return "S3Options.endpoint_url"
+    if (os.environ.get("AWS_ENDPOINT_URL_S3") or "").strip():
+        return "AWS_ENDPOINT_URL_S3"
+    return "AWS_ENDPOINT_URL"
+
+
+def _check_endpoint(location: ObjectLocation, options: S3Options, endpoint: str) -> None:
+    """Raise :class:`ObjectStoreError` unless ``endpoint`` is an http:// or https:// URL with a host
+    (the client would otherwise fail each request with an internal panic)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ObjectStoreError(
+            f"cannot set up the S3 client for {location.url()}: the endpoint {endpoint!r} (from "
+            f"{_endpoint_source(options)}) is not an http:// or https:// URL with a host; set "
+            f"{_endpoint_source(options)} to one, such as http://127.0.0.1:9000, or unset it for AWS S3")
+
+
+def _setup_error(location: ObjectLocation, options: S3Options, error: BaseException) -> ObjectStoreError:
+    """The client refused its configuration: :class:`ObjectAccessError` for credentials, else
+    :class:`ObjectStoreError` naming the settings that configure it."""
+    detail = _first_line(error)
+    where = f"{location.url()} ({options.describe()})"
+    if any(word in str(error) for word in ("AccessKey", "SecretAccessKey", "Credential", "credential", "Token")):
+        return ObjectAccessError(f"cannot set up the S3 client for {where}: incomplete credentials ({detail}); "
+                                 f"{CREDENTIAL_HELP}")
+    return ObjectStoreError(f"cannot set up the S3 client for {where}: {detail}; check AWS_REGION / "
+                            f"AWS_ENDPOINT_URL (or S3Options.region / endpoint_url / extra_config)")
 
 
 def store_for(location: ObjectLocation, options: S3Options) -> Any:
@@ -161,6 +224,7 @@ def store_for(location: ObjectLocation, options: S3Options) -> Any:
             return store
         config: dict[str, Any] = dict(options.extra_config)
         if endpoint:
+            _check_endpoint(location, options, endpoint)
             config["endpoint"] = endpoint
         region = options.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         config["region"] = region or "us-east-1"
@@ -180,14 +244,14 @@ def store_for(location: ObjectLocation, options: S3Options) -> Any:
             "retry_timeout": timedelta(seconds=options.retry_timeout_s),
             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2},
         }
-        provider = _credential_provider(options)
+        provider = _credential_provider(location, options)
         kwargs: dict[str, Any] = dict(config=config, client_options=client_options, retry_config=retry_config)
         if provider is not None:
             kwargs["credential_provider"] = provider
         try:
             store = S3Store(location.bucket, **kwargs)
         except obstore.exceptions.BaseError as error:
-            raise ObjectStoreError(f"cannot set up the S3 client for {location.url()} ({options.describe()}): {error}") from error
+            raise _setup_error(location, options, error) from error
         _stores[key] = store
         return store
 
@@ -218,11 +282,18 @@ def object_error(error: BaseException, url: str, action: str, options: S3Options
         return ObjectNotFoundError(f"{action} {url}: no such object{where}")
     if isinstance(error, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
         return ObjectAccessError(f"{action} {url}: access denied{where}: check the credentials "
-                                 f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE): {detail}")
+                                 f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, or "
+                                 f"S3Options.access_key_id / secret_access_key): {detail}")
+    if any(path in text for path in _METADATA_PATHS):
+        return ObjectAccessError(f"{action} {url}: no S3 credentials were found{where} (not in S3Options, the "
+                                 f"environment, the AWS config files, nor the instance metadata service, "
+                                 f"which failed: {detail}); {CREDENTIAL_HELP}")
     if isinstance(error, (ox.AlreadyExistsError, ox.PreconditionError, FileExistsError)):
         return ObjectExistsError(f"{action} {url}: the object already exists{where}")
     if isinstance(error, ox.BaseError):
         if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "AccessDenied" in text:
-            return ObjectAccessError(f"{action} {url}: access denied{where}: check the credentials: {detail}")
+            return ObjectAccessError(f"{action} {url}: access denied{where}: check the credentials "
+                                     f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, or "
+                                     f"S3Options.access_key_id / secret_access_key): {detail}")
         return ObjectStoreError(f"{action} {url} failed{where}: {detail}")
     return error

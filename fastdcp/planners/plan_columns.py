@@ -325,6 +325,42 @@ class GlobalItems(Sequence):
         return f"GlobalItems({len(self)} kept items)"
 
 
+def _rank() -> int | None:
+    """This process's rank in the default process group, or None outside one."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def plan_mismatch_message(local_fqns: list[str], keep_count: int | None, kept_count: int, global_count: int,
+                          rank: int | None, shown: int = 3) -> str:
+    """Why a rank cannot apply its global save plan: how many items the coordinator planned for it
+    against how many its local plan has (``local_fqns``: their keys) and keeps, the keys only the
+    local plan has when that can be told, the likely cause and what to do."""
+    who = "this rank" if rank is None else f"rank {rank}"
+    local_count = len(local_fqns)
+    counts = f"its local plan has {local_count} items"
+    if keep_count is not None:
+        counts += f" (the coordinator's deduplication mask covers {keep_count} items and keeps {kept_count})"
+    # How many items the coordinator saw in the local plan: the mask covers them all.
+    seen = keep_count if keep_count is not None else global_count
+    if local_count > seen:
+        extra = local_fqns[seen:]
+        names = ", ".join(repr(name) for name in extra[:shown]) + (", ..." if len(extra) > shown else "")
+        more = local_count - seen
+        differs = (f"the local plan has {more} more item{'s' * (more != 1)} than the coordinator saw, "
+                   f"from {names} on")
+    else:
+        fewer = seen - local_count
+        differs = f"the local plan has {fewer} fewer item{'s' * (fewer != 1)} than the coordinator saw"
+    return (f"FastSavePlanner: the global save plan {who} received does not match the local plan it sent: "
+            f"the coordinator planned {global_count} items for it, but {counts}; {differs}. The local plan "
+            f"changed after it was sent to the coordinator: a custom planner or hook edited a plan's item "
+            f"list in place (a cached plan edited so stays wrong for every later save). Build a new "
+            f"SavePlan instead of editing one (dataclasses.replace(plan, items=[...])), call "
+            f"fastdcp.planners.clear_plan_caches() on every rank, and save again.")
+
+
 def apply_global_items(token: bytes, keep: bytes | None, hints: bytes, rows: bytes) -> Any:
     """The rank's global plan items: its registered local plan's items, kept per ``keep``, with
     index hints ``hints`` (items whose hint does not change are shared, not copied), carrying
@@ -346,8 +382,10 @@ def apply_global_items(token: bytes, keep: bytes | None, hints: bytes, rows: byt
         kept = local
     else:
         kept = [item for item, flag in zip(local, keep) if flag]
-    if len(kept) != len(hint_values):
-        raise RuntimeError("FastSavePlanner: a global save plan does not match this rank's local plan")
+    if (keep is not None and len(keep) != len(local)) or len(kept) != len(hint_values):
+        raise RuntimeError(plan_mismatch_message([item.index.fqn for item in local],
+                                                 None if keep is None else len(keep), len(kept), len(hint_values),
+                                                 _rank()))
     out = []
     with gc_paused():
         for item, hint in zip(kept, hint_values):

@@ -39,6 +39,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,6 +50,7 @@ __all__ = [
     "StagingReport",
     "StagingSession",
     "in_flight_sessions",
+    "staging_timeout_message",
     "storage_key",
     "wait_for_staging",
 ]
@@ -112,7 +114,25 @@ class StagingFuture(Future):
             if caller == _DCP_THREAD_SAVE_MODULE and session.bind_consumer():
                 return session.for_streaming_save(timeout)
             session.complete_snapshot()
-        return super().result(timeout)
+        try:
+            return super().result(timeout)
+        except FuturesTimeoutError:
+            raise FuturesTimeoutError(session.timeout_message(timeout)) from None
+
+
+def staging_timeout_message(where: str, timeout: float | None, report: StagingReport, copied: bool) -> str:
+    """The message of a stage that did not complete within ``timeout`` seconds: the checkpoint,
+    the timeout and who set it, what was still running, and what to do."""
+    if not copied:
+        pending = f"the copy of {report.snapshot_bytes} bytes into staging memory was still running"
+    else:
+        pending = (f"the save had not yet written the {report.streamed_bytes} bytes streamed from the live "
+                   f"tensors (staging_budget_bytes)")
+    limit = "the time given" if timeout is None else f"{timeout:g} s"
+    return (f"fastdcp: staging {report.state_bytes} bytes for the checkpoint at {where} did not complete "
+            f"within {limit}, the timeout passed to StagingFuture.result(timeout): {pending}. "
+            f"Wait longer (result() with a larger timeout or none, or fastdcp.wait_for_staging()), and "
+            f"change the saved state only once the future is done.")
 
 
 class StagingSession:
@@ -128,7 +148,9 @@ class StagingSession:
         source_keys: frozenset[int],
         report: StagingReport,
         rebuild: Callable[[Any, Any], Any],
+        where: str = "(unnamed)",
     ) -> None:
+        self.where = where  # the checkpoint being staged (its directory or URL), for messages
         self.staged = staged  # the staged state dict (slab views and, streamed, live aliases)
         self.tensors = tensors  # its slab tensors in traversal order
         self._streamed = streamed  # indices into tensors of the live aliases
@@ -188,11 +210,15 @@ class StagingSession:
         """The bound save asks for the staged state dict: hand it over once the slab part is
         copied; the session completes when the save has written the streamed tensors."""
         if not self._copied.wait(timeout):
-            raise TimeoutError("fastdcp: staging did not complete in time")
+            raise FuturesTimeoutError(self.timeout_message(timeout))
         if self._copy_error is not None:
             self.streamed_written()
             raise self._copy_error
         return self.staged
+
+    def timeout_message(self, timeout: float | None) -> str:
+        """What :func:`staging_timeout_message` says of this session now."""
+        return staging_timeout_message(self.where, timeout, self.report, self._copied.is_set())
 
     def _await_consumer(self, consumer: threading.Thread) -> None:
         consumer.join()

@@ -413,12 +413,14 @@ class StateDictStager:
         return staged
 
     def stage_overlapped(
-        self, state_dict: Any, engine: Any, budget: int | None = None, guarded: frozenset[int] = frozenset()
+        self, state_dict: Any, engine: Any, budget: int | None = None, guarded: frozenset[int] = frozenset(),
+        where: str = "(unnamed)",
     ) -> StagingFuture:
         """Start staging ``state_dict`` and return its Future at once (see
         :mod:`fastdcp.save.async_staging`): guarded buffers are copied and device copies enqueued
         in the call, host copies run on ``engine``'s threads behind it; with ``budget``, tensors
-        beyond it are streamed by the save from live memory."""
+        beyond it are streamed by the save from live memory. ``where``: the checkpoint's directory
+        or URL, named by a timeout's message."""
         t0 = time.perf_counter()
         found = list(_slab_tensors(state_dict))
         sources = [tensor.detach() for tensor, _, _ in found]
@@ -460,7 +462,7 @@ class StateDictStager:
             blocked_s=time.perf_counter() - t0,
             overlapped=True,
         )
-        session = StagingSession(staged, tensors, streamed, frozenset(keys) - {0}, report, _rebuild)
+        session = StagingSession(staged, tensors, streamed, frozenset(keys) - {0}, report, _rebuild, where)
         self._remember(_Stage(lease, session), report)
 
         def copy(keep_alive: tuple = (sources, views)) -> None:

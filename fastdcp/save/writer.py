@@ -259,8 +259,13 @@ class FastFileSystemWriter(FileSystemWriter):
             return self._stager.stage(state_dict, stage_engine)
         copy_engine = get_engine(dataclasses.replace(self.io_options, io_threads=default_copy_threads()))
         return self._stager.stage_overlapped(
-            state_dict, copy_engine, self.staging_budget_bytes, guarded_storage_keys()
+            state_dict, copy_engine, self.staging_budget_bytes, guarded_storage_keys(), self._checkpoint_where()
         )
+
+    def _checkpoint_where(self) -> str:
+        """Where this writer saves, for messages: an object storage writer's URL, else the directory."""
+        location = getattr(self, "location", None)
+        return location.url() if location is not None else str(self.path)
 
     def synchronize_staging(self) -> None:
         """Wait until this writer's latest stage is complete (a blocking stage always is)."""

@@ -314,3 +314,36 @@ def test_the_returned_metadata_travels_as_a_reference_to_the_committed_index(tmp
     dcp.save(state, storage_writer=FastFileSystemWriter(tmp_path), planner=FastSavePlanner(), no_dist=True)
     with pytest.raises(CheckpointFormatError, match="no longer"):
         stale.state_dict_metadata
+
+
+@pytest.mark.parametrize("edit", ["drop", "add"])
+def test_a_local_plan_edited_after_it_was_sent_is_a_clear_error(processes, edit):
+    """A rank whose local plan's item list changed in place after the gather cannot apply its
+    global plan: the error gives both counts, the keys only the local plan has, the cause and
+    the remedy (clear_plan_caches)."""
+    plans = _fsdp_plans(2, random.Random(4))
+    items = [PC._PackedItems(plan) for plan in plans]
+    sent = []
+    for rank, local in enumerate(items):
+        with PC.simulated_process(processes(rank)):
+            sent.append(pickle.dumps(SavePlan(local)))
+    with PC.simulated_process(processes("coordinator")):
+        received = [pickle.loads(blob) for blob in sent]
+        bulk = plan_globally_in_bulk([(p.items.columns, p.items.structure) for p in received], False)
+        blob = pickle.dumps(bulk.global_items[0])
+    planned = len(bulk.global_items[0])
+    extra = _shard("added.after.the.gather", (4,), (0,), (4,), kind=WriteItemType.TENSOR)
+    if edit == "drop":
+        items[0].pop()
+    else:
+        items[0].append(extra)
+    with PC.simulated_process(processes(0)), pytest.raises(RuntimeError) as info:
+        pickle.loads(blob)
+    message = str(info.value)
+    assert f"planned {planned} items" in message, message
+    assert f"local plan has {len(items[0])} items" in message, message
+    if edit == "add":
+        assert "'added.after.the.gather'" in message, message
+    else:
+        assert "the local plan has 1 fewer item than" in message, message
+    assert "in place" in message and "fastdcp.planners.clear_plan_caches()" in message, message
