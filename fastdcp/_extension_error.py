@@ -54,7 +54,13 @@ def import_failure_message(error: BaseException, package_dir: Path, torch_versio
     suffixes = importlib.machinery.EXTENSION_SUFFIXES
     here = [path for path in built if any(path.name == "_C" + suffix for suffix in suffixes)]
     if not built:
-        return f"fastdcp's compiled extension fastdcp._C is not built in {package_dir} ({error}). {rebuild}"
+        message = f"fastdcp's compiled extension fastdcp._C is not built in {package_dir} ({error}). {rebuild}"
+        if (package_dir.parent / "setup.py").is_file():
+            # A source tree: after `pip install .` the extension lives in the installed copy, which
+            # a process started in the tree's root does not import (its folder comes first).
+            message += (f" If fastdcp is installed (`pip install .`), this process imports the source folder "
+                        f"{package_dir.parent} instead: run it from another directory.")
+        return message
     if not here:
         others = ", ".join(path.name for path in built)
         return (f"fastdcp's compiled extension fastdcp._C is not built for this Python {_python()} in "

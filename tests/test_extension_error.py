@@ -96,3 +96,18 @@ def test_an_extension_for_another_python_is_named(tmp_path):
     assert f"not built for this Python {version}" in message, message
     assert "_C.cpython-39-x86_64-linux-gnu.so" in message and f"loads _C{SUFFIX}" in message, message
     assert "pip install --no-build-isolation -e ." in message, message
+
+
+def test_a_source_tree_without_the_extension_says_where_the_installed_one_is(tmp_path):
+    # `pip install .` puts the extension in the installed copy; a process started in the clone's root
+    # imports the clone's folder first, which has none. The message says so where the folder is a
+    # source tree (a setup.py beside it), and only there.
+    for with_setup in (False, True):
+        root = tmp_path / f"setup_{with_setup}"
+        shutil.copytree(PACKAGE, root / "fastdcp", ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+        if with_setup:
+            (root / "setup.py").write_text("")
+        message = _import_error(root)
+        assert f"fastdcp._C is not built in {root / 'fastdcp'}" in message, message
+        hint = f"this process imports the source folder {root} instead: run it from another directory"
+        assert (hint in message) is with_setup, message
