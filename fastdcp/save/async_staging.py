@@ -217,7 +217,7 @@ class StagingSession:
         return self.staged
 
     def timeout_message(self, timeout: float | None) -> str:
-        """What :func:`staging_timeout_message` says of this session now."""
+        """What :func:`staging_timeout_message` says of this staging session now."""
         return staging_timeout_message(self.where, timeout, self.report, self._copied.is_set())
 
     def _await_consumer(self, consumer: threading.Thread) -> None:
