@@ -19,7 +19,7 @@ The rules (docs/api.md is a reference: one entry per public name):
   ``UNDOCUMENTED_TEST_HOOKS`` with why, and the old names of renamed variables, which the
   ``## Renamed`` table lists. Conversely every ``FASTDCP_*`` variable those tables name is read
   somewhere (fastdcp/, csrc/, setup.py, tests/).
-- **Renames.** Every old name in ``fastdcp._renamed`` is a row ``| `old` | `new` | where |`` of the
+- **Renames.** Every old name in ``fastdcp.compat.renamed`` is a row ``| `old` | `new` | where |`` of the
   ``## Renamed`` table, whose third cell names each callable that accepts it.
 - **`open` is not exported by `*`.** ``fastdcp.open`` exists, is not in ``__all__``, and
   ``from fastdcp import *`` leaves Python's ``open`` alone.
@@ -43,7 +43,7 @@ import pytest
 from test_docs import inline_code, split_fenced
 
 import fastdcp
-from fastdcp import _renamed
+from fastdcp.compat import renamed as _renamed
 
 REPO = Path(__file__).resolve().parent.parent
 API_MD = REPO / "docs" / "api.md"

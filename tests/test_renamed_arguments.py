@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fastdcp
-from fastdcp import _renamed
+from fastdcp.compat import renamed as _renamed
 from fastdcp.io import pinned_pool
 from fastdcp.save import staging_pool
 

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from .. import _C
-from .._renamed import environ_get
+from ..compat.renamed import environ_get
 
 __all__ = ["IoOptions", "get_engine", "env_flag", "env_bytes", "default_copy_threads", "DIRECT_ALIGN"]
 

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from .. import _C
-from .._renamed import READER_RENAMES, renamed_arguments
+from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo
 from ..format.metadata import CheckpointFormatError

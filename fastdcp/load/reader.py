@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .. import _C
-from .._renamed import READER_RENAMES, renamed_arguments
+from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo
 from ..format.checksums import ChecksumError, checksummed_items

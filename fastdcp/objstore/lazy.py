@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._renamed import READER_RENAMES, renamed_arguments
+from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.engine import get_engine
 from ..load.lazy import LazyCheckpoint

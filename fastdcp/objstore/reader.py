@@ -14,7 +14,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from .._renamed import READER_RENAMES, renamed_arguments
+from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.engine import get_engine
 from ..load.deadline import DEADLINE_FROM_ENV

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .._renamed import S3_WRITER_RENAMES, renamed_arguments
+from ..compat.renamed import S3_WRITER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.gc import gc_paused
 from ..save.file_image import FilePlan

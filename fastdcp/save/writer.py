@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .. import _C
-from .._renamed import WRITER_RENAMES, renamed_arguments
+from ..compat.renamed import WRITER_RENAMES, renamed_arguments
 from ..compat.stock_stager import mend_default_stager
 from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
