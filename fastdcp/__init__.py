@@ -61,7 +61,7 @@ if _C is not None:  # noqa: E402 - the public API, once the extension is there
     from .objstore.lazy import open_any as open  # noqa: A001,E402 - fastdcp.open(path or s3:// URL), like safe_open
     from .load.deadline import LoadDeadlineError  # noqa: E402
     from .load.reader import ConcurrentOverwriteError, FastFileSystemReader  # noqa: E402
-    from .planners import FastLoadPlanner, FastSavePlanner  # noqa: E402
+    from .planners import FastLoadPlanner, FastSavePlanner, clear_plan_caches  # noqa: E402
     from .save.async_staging import StagingFuture, StagingReport, wait_for_staging  # noqa: E402
     from .save.guard import StagingGuard, guard  # noqa: E402
     from .save.inflight import ConcurrentSaveError  # noqa: E402
@@ -79,6 +79,7 @@ if _C is not None:  # noqa: E402 - the public API, once the extension is there
 logging.getLogger("fastdcp").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
+# `fastdcp.open` is public but not in __all__: `from fastdcp import *` must not shadow the builtin open.
 __all__ = [
     "FastFileSystemWriter",
     "FastFileSystemReader",
@@ -95,6 +96,7 @@ __all__ = [
     "ObjectExistsError",
     "FastSavePlanner",
     "FastLoadPlanner",
+    "clear_plan_caches",
     "BlobFormatError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
@@ -123,7 +125,6 @@ __all__ = [
     "RestoreOnExit",
     "HookNotFoundError",
     "TorchInternalsMissing",
-    "open",
     "LazyCheckpoint",
     "TensorSlice",
     "TensorInfo",

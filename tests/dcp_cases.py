@@ -57,7 +57,7 @@ PAIR_IDS = [pair_id(w, r) for w, r in PAIRS]
 
 # Keyword arguments only the fast classes accept.
 FAST_WRITER_ONLY_KW = ("direct_io", "io_threads", "task_bytes")
-FAST_READER_ONLY_KW = ("direct_io", "io_threads", "task_bytes", "memory_budget_bytes")
+FAST_READER_ONLY_KW = ("direct_io", "io_threads", "task_bytes", "read_buffer_limit_bytes")
 
 
 # --------------------------------------------------------------------------- #
@@ -88,7 +88,7 @@ def make_reader(kind: str, path, *, fast_options: Mapping[str, Any] | None = Non
     """Build a storage reader of ``kind`` ("stock" or "fast").
 
     ``kw`` go to both classes (e.g. ``_extension_registry``); ``fast_options``
-    (direct_io, io_threads, task_bytes, memory_budget_bytes) only to the fast one.
+    (direct_io, io_threads, task_bytes, read_buffer_limit_bytes) only to the fast one.
     """
     if kind == "stock":
         return FileSystemReader(path, **kw)

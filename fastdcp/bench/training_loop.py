@@ -47,7 +47,7 @@ Systems (each only when available; otherwise a note says why):
 * ``fastdcp_overlap``: ``FastFileSystemWriter(path, async_staging=True)`` with one
   ``fastdcp.guard(optimizer, model)`` for the whole loop (removed after it); the loop itself does
   not wait on staging;
-* ``fastdcp_overlap_budget``: the same with ``staging_budget_bytes = --size / 4``: staging holds
+* ``fastdcp_overlap_budget``: the same with ``snapshot_limit_bytes = --size / 4``: staging holds
   at most a quarter of the state; the rest is written from the live tensors before the guard lets
   the optimizer step (bounded host memory, paid for in step waits at storage speed).
 
@@ -84,7 +84,7 @@ SCENARIO = "train_loop"
 GROUP = "train"                  # directory under each target; removed by the runner afterwards
 NO_CKPT = "no_ckpt"              # the same loop without checkpoints (the reference)
 TRAIN_SYSTEMS = ("stock_default", "stock_zoc", "fastdcp_blocking", "fastdcp_overlap", "fastdcp_overlap_budget")
-# fastdcp_overlap_budget's staging_budget_bytes, as a fraction of --size: bounded host memory, the
+# fastdcp_overlap_budget's snapshot_limit_bytes, as a fraction of --size: bounded host memory, the
 # rest of the state written from the live tensors while the guard holds the optimizer step
 BUDGET_FRACTION = 4
 SHM = "/dev/shm"
@@ -499,12 +499,12 @@ def loop_systems(ctx: Context) -> list[LoopSystem]:
                  "guard": "fastdcp.guard(optimizer, model) once before the loop, .remove() after",
                  "staging_pool": pool},
                 guard=fastdcp.guard, release_pool=release, optional=True))
-            if "staging_budget_bytes" in params:
+            if "snapshot_limit_bytes" in params:
                 budget = ctx.cfg.size // BUDGET_FRACTION
                 out.append(LoopSystem(
                     "fastdcp_overlap_budget",
-                    lambda p: fastdcp.FastFileSystemWriter(p, async_staging=True, staging_budget_bytes=budget),
-                    {"writer": f"fastdcp.FastFileSystemWriter(path, async_staging=True, staging_budget_bytes={budget})",
+                    lambda p: fastdcp.FastFileSystemWriter(p, async_staging=True, snapshot_limit_bytes=budget),
+                    {"writer": f"fastdcp.FastFileSystemWriter(path, async_staging=True, snapshot_limit_bytes={budget})",
                      "guard": "fastdcp.guard(optimizer, model) once before the loop, .remove() after",
                      "staging_pool": pool},
                     guard=fastdcp.guard, release_pool=release, optional=True))

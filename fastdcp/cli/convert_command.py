@@ -334,7 +334,7 @@ def run_convert(options: ConvertOptions) -> list[str]:
     if to_safetensors and sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         raise ValueError("safetensors stores little-endian data; this host is big-endian")
     os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-    with open_checkpoint(options.source, memory_budget_bytes=options.memory_budget,
+    with open_checkpoint(options.source, read_buffer_limit_bytes=options.memory_budget,
                          allow_unsafe_metadata=options.allow_unsafe_metadata) as ckpt:
         if to_safetensors:
             return _convert_safetensors(ckpt, options)

@@ -37,7 +37,7 @@ def _check_checksums(ckpt: Checkpoint, storage: dict, damaged: set[tuple[str, in
     engine, files = ckpt.source.checksum_reader({it.relative_path: ckpt.files[it.relative_path] for it in items},
                                                 options)
     try:
-        mismatches = verify_checksums(engine, files, items, options.memory_budget_bytes)
+        mismatches = verify_checksums(engine, files, items, options.read_buffer_limit_bytes)
     finally:
         for f in files.values():
             f.close()

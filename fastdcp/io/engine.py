@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from .. import _C
+from ..compat.renamed import environ_get
 
 __all__ = ["IoOptions", "get_engine", "env_flag", "env_bytes", "default_copy_threads", "DIRECT_ALIGN"]
 
@@ -22,7 +23,7 @@ _DEFAULT_WRITE_TASK_BYTES = 8 << 20
 # Reads gain from larger requests: cold sequential reads measured ~12% faster at 32 MiB than at
 # 8 MiB on a virtio disk (more readahead per request), warm reads are unaffected.
 _DEFAULT_READ_TASK_BYTES = 32 << 20
-_DEFAULT_READ_BUDGET = 512 << 20
+_DEFAULT_READ_BUFFER_LIMIT = 512 << 20
 # O_DIRECT reads get no kernel readahead: the requests in flight are the device's whole queue.
 # Measured cold on a 2-core VM's virtio disk (ext4, 1 GiB, 32 MiB requests, 4 interleaved
 # loads each): 4 threads 1.43 GiB/s, 8 threads 1.67, 16 threads 1.60; buffered 1.35 at any count.
@@ -30,7 +31,7 @@ _DIRECT_READ_MIN_THREADS = 8
 
 
 def env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
+    name, value = environ_get(name)
     if value is None or value.strip() == "":
         return None
     lowered = value.strip().lower()
@@ -42,7 +43,7 @@ def env_flag(name: str) -> bool | None:
 
 
 def env_int(name: str) -> int | None:
-    value = os.environ.get(name)
+    name, value = environ_get(name)
     if value is None or value.strip() == "":
         return None
     try:
@@ -57,7 +58,8 @@ def env_int(name: str) -> int | None:
 def env_bytes(name: str) -> int | None:
     """A byte count from the environment: None when unset or empty, else an int >= 0 (0 is a
     meaningful limit for some settings); anything else is a ValueError naming the variable."""
-    text = os.environ.get(name, "").strip()
+    name, raw = environ_get(name)
+    text = (raw or "").strip()
     if not text:
         return None
     try:
@@ -90,14 +92,14 @@ class IoOptions:
     ``direct_io``: open files with O_DIRECT (per-file fallback to buffered I/O where the
     filesystem refuses it). Environment ``FASTDCP_DIRECT_IO`` overrides the constructor default.
     ``io_threads`` / ``task_bytes``: engine workers and the unit large requests are split into
-    (``FASTDCP_IO_THREADS`` / ``FASTDCP_TASK_BYTES``). ``memory_budget_bytes``: the most staging
-    memory a reader holds at once (``FASTDCP_READ_BUDGET_BYTES``).
+    (``FASTDCP_IO_THREADS`` / ``FASTDCP_TASK_BYTES``). ``read_buffer_limit_bytes``: the most memory a
+    reader's read buffers hold at once (``FASTDCP_READ_BUFFER_LIMIT_BYTES``).
     """
 
     direct_io: bool
     io_threads: int
     task_bytes: int
-    memory_budget_bytes: int
+    read_buffer_limit_bytes: int
     # Whether io_threads was asked for (constructor or FASTDCP_IO_THREADS), not the default.
     io_threads_chosen: bool = False
     # Whether direct_io was asked for (constructor or FASTDCP_DIRECT_IO). A writer left at the
@@ -111,7 +113,7 @@ class IoOptions:
         default_direct_io: bool,
         io_threads: int | None,
         task_bytes: int | None,
-        memory_budget_bytes: int | None = None,
+        read_buffer_limit_bytes: int | None = None,
         for_reading: bool = False,
     ) -> "IoOptions":
         """Constructor arguments first, then the environment, then defaults; validates each."""
@@ -125,8 +127,8 @@ class IoOptions:
         threads = first_given(io_threads, env_int("FASTDCP_IO_THREADS"), default_io_threads())
         default_task = _DEFAULT_READ_TASK_BYTES if for_reading else _DEFAULT_WRITE_TASK_BYTES
         task = first_given(task_bytes, env_int("FASTDCP_TASK_BYTES"), default_task)
-        budget = first_given(memory_budget_bytes, env_int("FASTDCP_READ_BUDGET_BYTES"), _DEFAULT_READ_BUDGET)
-        for name, value in (("io_threads", threads), ("task_bytes", task), ("memory_budget_bytes", budget)):
+        budget = first_given(read_buffer_limit_bytes, env_int("FASTDCP_READ_BUFFER_LIMIT_BYTES"), _DEFAULT_READ_BUFFER_LIMIT)
+        for name, value in (("io_threads", threads), ("task_bytes", task), ("read_buffer_limit_bytes", budget)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if threads > 256:

@@ -8,9 +8,9 @@ save or load, and give them back:
 
 * **Reuse.** A lease gets the smallest idle buffer at least as large as it asks for, else a new one.
   Buffers outlive the writers and readers that used them; a forked child starts with an empty pool.
-* **Cap.** The pool holds at most ``limit`` bytes, idle and leased together: ``FASTDCP_PINNED_POOL_BYTES``
+* **Limit.** The pool holds at most ``limit`` bytes, idle and leased together: ``FASTDCP_PINNED_POOL_LIMIT_BYTES``
   if set, else :data:`DEFAULT_LIMIT` (1 GiB: the default save ring plus the default load buffers,
-  twice). A lease that would pass the cap first drops idle buffers, least recently used first; if
+  twice). A lease that would pass the limit first drops idle buffers, least recently used first; if
   that is not enough it gets a buffer outside the pool, pinned for that lease and dropped after it
   (the transfer runs as fast, only the pinning is paid again). It never waits.
 * **Warm-up.** :func:`warm_up_pinned` allocates and pins buffers ahead of the first save or load
@@ -34,7 +34,7 @@ from .host_memory import HostSlab, allocate_slab, slab_bytes
 __all__ = ["PinnedLease", "PinnedPoolStats", "lease_pinned", "warm_up_pinned", "pinned_pool_stats",
            "set_pinned_pool_limit", "reset_pinned_pool", "DEFAULT_LIMIT", "LIMIT_ENV"]
 
-LIMIT_ENV = "FASTDCP_PINNED_POOL_BYTES"
+LIMIT_ENV = "FASTDCP_PINNED_POOL_LIMIT_BYTES"  # formerly FASTDCP_PINNED_POOL_BYTES, still read
 DEFAULT_LIMIT = 1 << 30
 
 
@@ -47,7 +47,7 @@ class PinnedPoolStats:
     bytes_leased: int
     buffers_allocated: int  # new buffers, pooled or not
     buffers_reused: int  # leases served by an idle buffer
-    buffers_unpooled: int  # of buffers_allocated: outside the pool (over the cap)
+    buffers_unpooled: int  # of buffers_allocated: outside the pool (over the limit)
     pin_seconds: float  # time spent allocating and pinning new buffers
 
 
@@ -171,7 +171,7 @@ def lease_pinned(nbytes: int) -> PinnedLease:
 
 def warm_up_pinned(sizes: list[int]) -> None:
     """Allocate and pin an idle buffer for each size in ``sizes`` that no idle buffer serves yet
-    (within the cap), so the next leases of those sizes find them."""
+    (within the limit), so the next leases of those sizes find them."""
     leases = [lease_pinned(n) for n in sizes if n > 0]
     for lease in leases:
         lease.release()
@@ -183,8 +183,8 @@ def pinned_pool_stats() -> PinnedPoolStats:
 
 
 def set_pinned_pool_limit(nbytes: int | None) -> None:
-    """Cap the pinned bytes this process keeps (None: ``FASTDCP_PINNED_POOL_BYTES`` or
-    :data:`DEFAULT_LIMIT`); idle buffers over the new cap are dropped now."""
+    """Limit the pinned bytes this process keeps (None: ``FASTDCP_PINNED_POOL_LIMIT_BYTES`` or
+    :data:`DEFAULT_LIMIT`); idle buffers over the new limit are dropped now."""
     if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0):
         raise ValueError(f"the pinned pool limit must be an int >= 0 or None, got {nbytes!r}")
     _POOL._check_pid()

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from .. import _C
+from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo
 from ..format.metadata import CheckpointFormatError
@@ -175,6 +176,7 @@ class LazyCheckpoint(Mapping):
     """A read-only mapping from a checkpoint's flattened keys to its tensors and objects; see the
     module docstring. Build with :func:`open_checkpoint` (``fastdcp.open``)."""
 
+    @renamed_arguments(READER_RENAMES)
     def __init__(
         self,
         path: str | os.PathLike,
@@ -183,7 +185,7 @@ class LazyCheckpoint(Mapping):
         allow_unsafe_metadata: bool = False,
         direct_io: bool | None = None,
         io_threads: int | None = None,
-        memory_budget_bytes: int | None = None,
+        read_buffer_limit_bytes: int | None = None,
         extension_registry: Any = None,
     ) -> None:
         self.path = os.fspath(path)
@@ -191,7 +193,7 @@ class LazyCheckpoint(Mapping):
         self.device = torch.device(device)
         self.io_options = IoOptions.resolve(
             direct_io=direct_io, default_direct_io=False, io_threads=io_threads, task_bytes=None,
-            memory_budget_bytes=memory_budget_bytes, for_reading=True,
+            read_buffer_limit_bytes=read_buffer_limit_bytes, for_reading=True,
         )
         self.bytes_read = 0  # data-file bytes read so far (headers, tensor data, byte items)
         self._metadata: Metadata = self._read_metadata(allow_unsafe_metadata)
@@ -556,6 +558,7 @@ def _chunk_numel(chunk: ChunkInfo) -> int:
     return math.prod(chunk.sizes)
 
 
+@renamed_arguments(READER_RENAMES, name="fastdcp.open")
 def open_checkpoint(
     path: str | os.PathLike,
     *,
@@ -563,18 +566,18 @@ def open_checkpoint(
     allow_unsafe_metadata: bool = False,
     direct_io: bool | None = None,
     io_threads: int | None = None,
-    memory_budget_bytes: int | None = None,
+    read_buffer_limit_bytes: int | None = None,
     extension_registry: Any = None,
 ) -> LazyCheckpoint:
     """Open the DCP checkpoint directory ``path`` (stock- or fastdcp-written) as a lazy,
     read-only mapping (``fastdcp.open``); see :mod:`fastdcp.load.lazy`.
 
     ``device``: where returned tensors live (read on the CPU, then ``.to(device)``).
-    ``memory_budget_bytes``: the most staging memory a read holds besides its result (boxes that
+    ``read_buffer_limit_bytes``: the most read-buffer memory a read holds besides its result (boxes that
     do not map 1:1 onto the result). ``allow_unsafe_metadata``, ``direct_io``, ``io_threads``: as
     for :class:`fastdcp.FastFileSystemReader`. ``extension_registry``: the stream-transform
     extensions items were saved through (stock ``FileSystemReader``'s ``_extension_registry``).
     """
     return LazyCheckpoint(path, device=device, allow_unsafe_metadata=allow_unsafe_metadata, direct_io=direct_io,
-                          io_threads=io_threads, memory_budget_bytes=memory_budget_bytes,
+                          io_threads=io_threads, read_buffer_limit_bytes=read_buffer_limit_bytes,
                           extension_registry=extension_registry)

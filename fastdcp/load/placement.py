@@ -1,7 +1,7 @@
 """Carrying out a load's pieces (:mod:`fastdcp.load.pieces`): reads, copies, and the commit.
 
 Pieces read straight into their destination go out as one batch of run tables. The others are
-read into staging memory: one buffer of at most ``IoOptions.memory_budget_bytes``, reused for the
+read into staging memory: one buffer of at most ``IoOptions.read_buffer_limit_bytes``, reused for the
 whole load as two halves, so the next batch is read into one half while the previous one is
 placed from the other (a piece larger than a half is split along its outer dimensions first) by
 the native batched box copy. Pieces whose destination is a GPU tensor go to
@@ -73,7 +73,7 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
         "place_seconds": 0.0,
     }
     request_cost = REQUEST_COST_BYTES_DIRECT if direct else REQUEST_COST_BYTES
-    half_budget = max(STAGING_ALIGN, options.memory_budget_bytes // 2 // STAGING_ALIGN * STAGING_ALIGN)
+    half_budget = max(STAGING_ALIGN, options.read_buffer_limit_bytes // 2 // STAGING_ALIGN * STAGING_ALIGN)
 
     def read(tables: list[tuple]) -> None:
         started = time.perf_counter()

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .. import _C
+from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo
 from ..format.checksums import ChecksumError, checksummed_items
@@ -130,7 +131,8 @@ class FastFileSystemReader(FileSystemReader):
             O_DIRECT loads use at least 8, since without readahead the requests in flight are the
             device's queue) and the unit large reads are split into (default 32 MiB: larger
             requests read cold files faster).
-        memory_budget_bytes: the most staging memory held at once (default 512 MiB).
+        read_buffer_limit_bytes: the most memory the load's read buffers hold at once (default
+            512 MiB; environment ``FASTDCP_READ_BUFFER_LIMIT_BYTES``; formerly ``memory_budget_bytes``).
         allow_unsafe_metadata: unpickle ``.metadata`` with plain :mod:`pickle` (default False).
             By default only stock DCP metadata classes are built and a file naming anything
             else is refused (plain pickle runs whatever code the file names); set True only
@@ -149,6 +151,7 @@ class FastFileSystemReader(FileSystemReader):
             ``load_deadline_s=None``.
     """
 
+    @renamed_arguments(READER_RENAMES)
     def __init__(
         self,
         path: str | os.PathLike,
@@ -157,7 +160,7 @@ class FastFileSystemReader(FileSystemReader):
         direct_io: bool | None = None,
         io_threads: int | None = None,
         task_bytes: int | None = None,
-        memory_budget_bytes: int | None = None,
+        read_buffer_limit_bytes: int | None = None,
         allow_unsafe_metadata: bool = False,
         verify_checksums: bool | None = None,
         load_deadline_s: float | None = DEADLINE_FROM_ENV,
@@ -173,7 +176,7 @@ class FastFileSystemReader(FileSystemReader):
             default_direct_io=False,
             io_threads=io_threads,
             task_bytes=task_bytes,
-            memory_budget_bytes=memory_budget_bytes,
+            read_buffer_limit_bytes=read_buffer_limit_bytes,
             for_reading=True,
         )
         self.last_stats: dict[str, int] = {}
@@ -516,7 +519,7 @@ class FastFileSystemReader(FileSystemReader):
         """Check the items this load reads against their recorded checksums; raise on mismatch."""
         wanted = {item.storage_index: info for pairs in per_file.values() for item, info in pairs}
         items = checksummed_items(wanted)
-        problems = verify_checksums(engine, files, items, self.io_options.memory_budget_bytes)
+        problems = verify_checksums(engine, files, items, self.io_options.read_buffer_limit_bytes)
         if problems:
             raise ChecksumError("; ".join(problems))
 

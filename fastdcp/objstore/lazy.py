@@ -12,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.engine import get_engine
 from ..load.lazy import LazyCheckpoint
@@ -57,24 +58,31 @@ class ObjectCheckpoint(LazyCheckpoint):
         return reader
 
 
+@renamed_arguments(READER_RENAMES, name="fastdcp.open")
 def open_object_checkpoint(url: str | os.PathLike, *, device: str | torch.device = "cpu",
                            allow_unsafe_metadata: bool = False, io_threads: int | None = None,
-                           memory_budget_bytes: int | None = None, extension_registry: Any = None,
+                           read_buffer_limit_bytes: int | None = None, extension_registry: Any = None,
                            s3_options: S3Options | None = None, direct_io: bool | None = None) -> ObjectCheckpoint:
     """``fastdcp.open`` for ``s3://`` URLs (``direct_io`` is accepted, as for a local path, and
     means nothing for objects)."""
     return ObjectCheckpoint(str(url), s3_options=s3_options, device=device,
                             allow_unsafe_metadata=allow_unsafe_metadata, io_threads=io_threads,
-                            memory_budget_bytes=memory_budget_bytes, extension_registry=extension_registry)
+                            read_buffer_limit_bytes=read_buffer_limit_bytes, extension_registry=extension_registry)
 
 
-def open_any(path: str | os.PathLike, **kwargs: Any) -> LazyCheckpoint:
+@renamed_arguments(READER_RENAMES, name="fastdcp.open")
+def open_any(path: str | os.PathLike, *, device: str | torch.device = "cpu", allow_unsafe_metadata: bool = False,
+             direct_io: bool | None = None, io_threads: int | None = None, read_buffer_limit_bytes: int | None = None,
+             extension_registry: Any = None, s3_options: S3Options | None = None) -> LazyCheckpoint:
     """``fastdcp.open(path)``: a local checkpoint directory (:func:`fastdcp.load.lazy.open_checkpoint`)
-    or an ``s3://`` URL (:func:`open_object_checkpoint`, which also takes ``s3_options=``)."""
+    or an ``s3://`` URL (:func:`open_object_checkpoint`; ``s3_options`` is for those, ``direct_io``
+    means nothing there)."""
     from ..load.lazy import open_checkpoint
     from .location import is_object_url
 
+    kwargs: dict[str, Any] = dict(device=device, allow_unsafe_metadata=allow_unsafe_metadata, direct_io=direct_io,
+                                  io_threads=io_threads, read_buffer_limit_bytes=read_buffer_limit_bytes,
+                                  extension_registry=extension_registry)
     if is_object_url(path):
-        return open_object_checkpoint(path, **kwargs)
-    kwargs.pop("s3_options", None)
+        return open_object_checkpoint(path, s3_options=s3_options, **kwargs)
     return open_checkpoint(path, **kwargs)

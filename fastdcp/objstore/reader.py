@@ -14,6 +14,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
+from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.engine import get_engine
 from ..load.deadline import DEADLINE_FROM_ENV
@@ -32,17 +33,18 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
 
     ``s3_options``: :class:`~fastdcp.objstore.client.S3Options` (endpoint, credentials, retries,
     request size, requests in flight); unset, the usual ``AWS_*`` environment.
-    ``memory_budget_bytes``, ``allow_unsafe_metadata``, ``verify_checksums``, ``load_deadline_s``: as
+    ``read_buffer_limit_bytes``, ``allow_unsafe_metadata``, ``verify_checksums``, ``load_deadline_s``: as
     :class:`fastdcp.FastFileSystemReader`. ``last_stats`` counts the GET requests and bytes
     fetched by the last load (``object_requests``, ``object_bytes``)."""
 
+    @renamed_arguments(READER_RENAMES)
     def __init__(
         self,
         path: str,
         _extension_registry: Any = None,
         *,
         s3_options: S3Options | None = None,
-        memory_budget_bytes: int | None = None,
+        read_buffer_limit_bytes: int | None = None,
         allow_unsafe_metadata: bool = False,
         verify_checksums: bool | None = None,
         load_deadline_s: float | None = DEADLINE_FROM_ENV,
@@ -52,7 +54,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
             self.location.url(),
             _extension_registry,
             direct_io=False,
-            memory_budget_bytes=memory_budget_bytes,
+            read_buffer_limit_bytes=read_buffer_limit_bytes,
             allow_unsafe_metadata=allow_unsafe_metadata,
             verify_checksums=verify_checksums,
             load_deadline_s=load_deadline_s,

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..compat.renamed import S3_WRITER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.gc import gc_paused
 from ..save.file_image import FilePlan
@@ -44,7 +45,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
     ``overwrite``, ...; ``sync_files`` is accepted and means nothing more here: an object is
     durable once its upload completes). ``s3_options``: :class:`S3Options` (endpoint, region,
     credentials, retries, part size, requests in flight); unset, everything comes from the usual
-    ``AWS_*`` environment. ``checksums``, ``async_staging``, ``staging_budget_bytes``: as
+    ``AWS_*`` environment. ``checksums``, ``async_staging``, ``snapshot_limit_bytes``: as
     :class:`fastdcp.FastFileSystemWriter`. GPU tensors are copied to host memory before their upload.
 
     Objects are named as fastdcp names local files (``__{rank}_{token}_{i}.distcp``, the token new
@@ -58,6 +59,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
 
     _writes_through_ring = False
 
+    @renamed_arguments(S3_WRITER_RENAMES)
     def __init__(
         self,
         path: str,
@@ -73,7 +75,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         s3_options: S3Options | None = None,
         checksums: bool | None = None,
         async_staging: bool | None = None,
-        staging_budget_bytes: int | None = None,
+        snapshot_limit_bytes: int | None = None,
         io_threads: int | None = None,
     ) -> None:
         self.location = ObjectLocation.parse(path)
@@ -89,7 +91,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
             serialization_format=serialization_format,
             checksums=checksums,
             async_staging=async_staging,
-            staging_budget_bytes=staging_budget_bytes,
+            snapshot_limit_bytes=snapshot_limit_bytes,
             io_threads=io_threads,
             direct_io=False,
         )

@@ -15,15 +15,15 @@ as a :class:`StagingSession`:
   changes any more when the live tensors do. The save itself reads the staged copy only once the
   copies are complete (DCP's save thread calls ``result()`` first).
 
-**Budget** (``staging_budget_bytes``): tensors go into the slab in traversal order while it stays
-within the budget (guarded buffers always do); the rest are *streamed*: the staged state dict
+**Snapshot limit** (``snapshot_limit_bytes``): tensors go into the slab in traversal order while it stays
+within the limit (guarded buffers always do); the rest are *streamed*: the staged state dict
 holds them as aliases of the live tensors, the save writes them straight from live memory (CPU)
 or through the writer's pinned ring (GPU), and the session completes only once that write is
 done. For that, DCP's thread-mode save gets the staged state dict from ``result()`` as soon as the
 slab part is copied, before the future is done (the one consumer this happens for: the call comes
 from ``torch.distributed.checkpoint._async_thread_executor``). Every other consumer of ``result()``
 (process mode, a user) gets a full snapshot: the streamed tensors are copied then, outside the
-budget, with a warning. A streamed save that fails before writing completes the session when its
+limit, with a warning. A streamed save that fails before writing completes the session when its
 save thread ends (a watcher joins it), so a guard never waits forever.
 
 No checkpoint holds a value written after the call, provided nothing changes the state before the
@@ -71,7 +71,7 @@ class StagingReport:
     """What one stage did. Bytes are tensor bytes; times in seconds from the ``stage()`` call.
 
     ``snapshot_bytes`` were copied into staging memory, ``streamed_bytes`` written by the save
-    straight from the live tensors (``staging_budget_bytes``); ``completed_bytes`` of the snapshot
+    straight from the live tensors (``snapshot_limit_bytes``); ``completed_bytes`` of the snapshot
     were meant to stream but were copied after all, because the consumer could not stream them
     (process mode). ``peak_host_bytes`` is
     the host memory the stage held at once: its slab plus those late copies."""
@@ -127,7 +127,7 @@ def staging_timeout_message(where: str, timeout: float | None, report: StagingRe
         pending = f"the copy of {report.snapshot_bytes} bytes into staging memory was still running"
     else:
         pending = (f"the save had not yet written the {report.streamed_bytes} bytes streamed from the live "
-                   f"tensors (staging_budget_bytes)")
+                   f"tensors (snapshot_limit_bytes)")
     limit = "the time given" if timeout is None else f"{timeout:g} s"
     return (f"fastdcp: staging {report.state_bytes} bytes for the checkpoint at {where} did not complete "
             f"within {limit}, the timeout passed to StagingFuture.result(timeout): {pending}. "
@@ -234,7 +234,7 @@ class StagingSession:
 
     def complete_snapshot(self) -> None:
         """A consumer that cannot stream (process mode, a user's ``result()``): copy the streamed
-        tensors now, outside the budget, so that the staged state dict is a full snapshot."""
+        tensors now, outside the snapshot limit, so that the staged state dict is a full snapshot."""
         with self._lock:
             if self._streamed_done or self._snapshot_claimed or self._consumer is not None:
                 return
@@ -258,8 +258,8 @@ class StagingSession:
         self.report.streamed_bytes -= late
         self.report.peak_host_bytes += late
         warnings.warn(
-            f"fastdcp: staging_budget_bytes is honoured by thread-mode async_save only; this save's "
-            f"consumer needed a full snapshot, so {late} bytes beyond the budget were copied",
+            f"fastdcp: snapshot_limit_bytes is honoured by thread-mode async_save only; this save's "
+            f"consumer needed a full snapshot, so {late} bytes beyond the snapshot limit were copied",
             stacklevel=3,
         )
         self.streamed_written()  # the staged state dict is a full snapshot now

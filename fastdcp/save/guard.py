@@ -6,7 +6,7 @@ must keep training from changing a tensor before its copy is taken. One call set
 * **The optimizer's step** gets a step pre-hook that waits until every overlapped stage in flight
   that reads one of the step's tensors (its parameters and its state, e.g. AdamW's ``exp_avg``)
   is complete. Usually the copies finished during forward and backward, and the hook returns at
-  once; with a ``staging_budget_bytes`` smaller than the state it waits for the streamed part to be
+  once; with a ``snapshot_limit_bytes`` smaller than the state it waits for the streamed part to be
   written.
 * **The modules' buffers** (BatchNorm running statistics, any ``register_buffer``), which change
   in ``forward``, are staged inside the ``async_save`` call itself (they are small): on the GPU,

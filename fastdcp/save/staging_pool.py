@@ -13,14 +13,14 @@ is reused by any later ``stage()`` of the same layout, whichever writer makes it
   thread mode) or, independently, until every view given to :meth:`StagingLease.hold` is garbage
   (weak references: in process mode the writer's ``write_data`` runs in another process, and the
   views in this one go away once that process has answered). A slab in use is never refilled.
-* **Memory cap.** The pool holds at most ``limit`` bytes of slabs, idle and in use together. A
-  stage that finds no idle slab of its layout gets a new pooled slab when the cap allows it (so two
+* **Memory limit.** The pool holds at most ``limit`` bytes of slabs, idle and in use together. A
+  stage that finds no idle slab of its layout gets a new pooled slab when the limit allows it (so two
   saves in flight each have one without waiting); otherwise idle slabs are dropped, least recently
   used first, and if that is not enough the stage waits for a slab to be released. A wait longer
   than ``_WAIT_BEFORE_NEW_SLAB_S`` ends with a warning and a slab outside the pool; so does a single
-  state bigger than the whole cap (one warning saying the cap and how to raise it). Slabs outside
+  state bigger than the whole limit (one warning saying the limit and how to raise it). Slabs outside
   the pool are dropped once their save is done.
-* **Default cap.** ``FASTDCP_STAGING_POOL_BYTES`` if set, else physical memory divided by
+* **Default limit.** ``FASTDCP_STAGING_POOL_LIMIT_BYTES`` if set, else physical memory divided by
   ``4 × LOCAL_WORLD_SIZE`` (1 without it): every rank process has its own pool, and a rank's pool
   should leave most of the node's memory to the model, the optimizer, data loaders and the page
   cache. A quarter of the node over all ranks holds two in-flight stagings of a state of an eighth
@@ -58,7 +58,7 @@ __all__ = [
     "staging_pool_stats",
 ]
 
-LIMIT_ENV = "FASTDCP_STAGING_POOL_BYTES"
+LIMIT_ENV = "FASTDCP_STAGING_POOL_LIMIT_BYTES"  # formerly FASTDCP_STAGING_POOL_BYTES, still read
 _WAIT_BEFORE_NEW_SLAB_S = 60.0
 _GC_EVERY_S = 0.5
 _POLL_S = 0.02
@@ -68,19 +68,19 @@ _POLL_S = 0.02
 class StagingPoolStats:
     """A snapshot of the pool. Counters run from the pool's start (or :func:`reset_staging_pool`)."""
 
-    limit_bytes: int  # the cap on pooled slabs, idle and in use
+    limit_bytes: int  # the limit on pooled slabs, idle and in use
     bytes_held: int  # pooled slabs, idle and in use
     bytes_in_use: int  # pooled slabs a save may still read
     slabs_idle: int
     slabs_in_use: int
     slabs_allocated: int  # new slabs, pooled or not
     slabs_reused: int  # stages that found an idle slab of their layout
-    slabs_unpooled: int  # of slabs_allocated: outside the pool (bigger than the cap, or after a long wait)
-    slabs_dropped: int  # idle slabs dropped: evicted for the cap, or by release_staging()
+    slabs_unpooled: int  # of slabs_allocated: outside the pool (bigger than the limit, or after a long wait)
+    slabs_dropped: int  # idle slabs dropped: evicted for the limit, or by release_staging()
 
 
 def default_limit() -> int:
-    """``FASTDCP_STAGING_POOL_BYTES``, else physical memory / (4 × ``LOCAL_WORLD_SIZE``)."""
+    """``FASTDCP_STAGING_POOL_LIMIT_BYTES``, else physical memory / (4 × ``LOCAL_WORLD_SIZE``)."""
     value = env_bytes(LIMIT_ENV)
     if value is not None:
         return value
@@ -176,8 +176,8 @@ class StagingPool:
         return self._limit if self._limit is not None else default_limit()
 
     def set_limit(self, nbytes: int | None) -> None:
-        """Cap the pooled bytes at ``nbytes`` (None: back to :func:`default_limit`); idle slabs
-        over the new cap are dropped now, slabs in use stay until their save is done."""
+        """Limit the pooled bytes to ``nbytes`` (None: back to :func:`default_limit`); idle slabs
+        over the new limit are dropped now, slabs in use stay until their save is done."""
         if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0):
             raise ValueError(f"the staging pool limit must be an int >= 0 or None, got {nbytes!r}")
         self._check_pid()
@@ -223,7 +223,7 @@ class StagingPool:
     def acquire(self, nbytes: int, key: Hashable, *, prefer_shared: bool | None = None,
                 segment_starts: Sequence[int] = ()) -> StagingLease:
         """A lease on a slab of at least ``nbytes`` for a layout ``key``: an idle pooled slab of
-        that key, else a new one (see the module docstring for the cap). The slab is in use from
+        that key, else a new one (see the module docstring for the limit). The slab is in use from
         now on; give the views cut from it to :meth:`StagingLease.hold`. ``prefer_shared`` and
         ``segment_starts`` are :func:`~fastdcp.io.host_memory.allocate_slab`'s for a new slab: the
         key must tell them apart."""
@@ -253,7 +253,7 @@ class StagingPool:
                         self._warned_oversize = True
                         _warn_outside_pool(
                             f"this state needs {size} bytes of staging memory, more than the staging "
-                            f"pool's cap of {limit} bytes; it is staged into memory outside the pool, "
+                            f"pool's limit of {limit} bytes; it is staged into memory outside the pool, "
                             "allocated for every save and dropped after it"
                         )
                     slot = self._new_slot(key, size, pooled=False)
@@ -262,7 +262,7 @@ class StagingPool:
                 if self._held_bytes() + size <= limit:
                     slot = self._new_slot(key, size, pooled=True)
                     break
-                # Over the cap with nothing idle left to drop: wait for a save to finish.
+                # Over the limit with nothing idle left to drop: wait for a save to finish.
                 now = time.monotonic()
                 if waited_since is None:
                     waited_since = now
@@ -270,8 +270,8 @@ class StagingPool:
                     _warn_outside_pool(
                         f"the previous async save still holds its staging memory after "
                         f"{_WAIT_BEFORE_NEW_SLAB_S:.0f} s; staging into a new slab of {size} bytes outside the "
-                        f"staging pool (cap {limit} bytes) instead of waiting longer (waiting for the "
-                        "previous save's future before the next save keeps within the cap)"
+                        f"staging pool (limit {limit} bytes) instead of waiting longer (waiting for the "
+                        "previous save's future before the next save keeps within the limit)"
                     )
                     slot = self._new_slot(key, size, pooled=False)
                     break
@@ -353,10 +353,10 @@ class StagingPool:
 
 
 def _warn_outside_pool(why: str) -> None:
-    """One warning for a stage that gets a slab outside the pool: ``why``, then how to raise the cap
+    """One warning for a stage that gets a slab outside the pool: ``why``, then how to raise the limit
     (stacklevel: the caller of ``FastFileSystemWriter.stage``)."""
     warnings.warn(
-        f"fastdcp: {why}. Raise the cap with fastdcp.set_staging_pool_limit(nbytes) or {LIMIT_ENV} "
+        f"fastdcp: {why}. Raise the limit with fastdcp.set_staging_pool_limit(nbytes) or {LIMIT_ENV} "
         "to reuse staging memory.",
         stacklevel=5,
     )
@@ -374,9 +374,9 @@ def staging_pool() -> StagingPool:
 
 
 def set_staging_pool_limit(nbytes: int | None) -> None:
-    """Cap the staging memory this process keeps for ``dcp.async_save`` at ``nbytes`` (idle and
-    in use together; None: the default, ``FASTDCP_STAGING_POOL_BYTES`` or physical memory /
-    (4 × ``LOCAL_WORLD_SIZE``)). Idle slabs over the new cap are dropped now."""
+    """Limit the staging memory this process keeps for ``dcp.async_save`` to ``nbytes`` (idle and
+    in use together; None: the default, ``FASTDCP_STAGING_POOL_LIMIT_BYTES`` or physical memory /
+    (4 × ``LOCAL_WORLD_SIZE``)). Idle slabs over the new limit are dropped now."""
     _POOL.set_limit(nbytes)
 
 
@@ -392,7 +392,7 @@ def staging_pool_stats() -> StagingPoolStats:
 
 
 def reset_staging_pool() -> None:
-    """Forget every slab, zero the counters and restore the default cap (tests, benchmarks).
+    """Forget every slab, zero the counters and restore the default limit (tests, benchmarks).
     Saves in flight keep their memory through their views."""
     with _POOL._condition:
         for slot in _POOL._slots + _POOL._unpooled:

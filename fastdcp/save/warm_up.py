@@ -47,10 +47,10 @@ def warm_up(state_dict: Any = None, *, ring_bytes: int | None = 256 << 20,
         state_dict: when given, it is staged once as ``dcp.async_save`` stages it (a copy of its
             tensors, device tensors included), so the staging pool holds a slab of its layout and
             the first ``async_save`` of a state of the same structure reuses it.
-        ring_bytes: pinned memory for the save ring of GPU tensors (a writer's ``memory_budget_bytes``,
+        ring_bytes: pinned memory for the save ring of GPU tensors (a writer's ``pinned_ring_limit_bytes``,
             default 256 MiB); None or 0: none.
         load_bytes: pinned memory for loads into GPU tensors (default 512 MiB, what a load with the
-            reader's default budget leases); None or 0: none.
+            reader's default ``read_buffer_limit_bytes`` leases); None or 0: none.
     """
     t0 = time.perf_counter()
     sizes = [n for n in (ring_bytes, load_bytes) if n]

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .. import _C
+from ..compat.renamed import WRITER_RENAMES, renamed_arguments
 from ..compat.stock_stager import mend_default_stager
 from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
@@ -127,10 +128,17 @@ class FastFileSystemWriter(FileSystemWriter):
             environment ``FASTDCP_CHECKSUMS``), checked by ``FastFileSystemReader(verify_checksums=True)``
             and ``python -m fastdcp verify``. Costs one extra pass over the data at memory speed.
             With checksums on, GPU tensors are copied to the host before writing (no ring).
-        memory_budget_bytes: pinned host memory for writing GPU tensors (default 256 MiB): a ring
-            of slots that device-to-host copies fill while the engine writes the previous slots,
-            several files at a time; leased from the process-wide pinned pool for each save
-            (``fastdcp.io.pinned_pool``, capped by ``FASTDCP_PINNED_POOL_BYTES``).
+        pinned_ring_limit_bytes: the most pinned host memory of the ring that GPU tensors are
+            written through (default 256 MiB; formerly ``memory_budget_bytes``): slots that
+            device-to-host copies fill while the engine writes the previous slots, several files at
+            a time; leased from the process-wide pinned pool for each save
+            (``fastdcp.io.pinned_pool``, limited by ``FASTDCP_PINNED_POOL_LIMIT_BYTES``).
+        async_staging: ``stage()`` returns a Future and copies behind the ``dcp.async_save`` call
+            (default False; environment ``FASTDCP_ASYNC_STAGING``; :mod:`fastdcp.save.async_staging`).
+        snapshot_limit_bytes: with ``async_staging``, the most tensor bytes one stage copies into
+            its staging slab (default None: the whole state; environment
+            ``FASTDCP_SNAPSHOT_LIMIT_BYTES``; formerly ``staging_budget_bytes``); the tensors beyond
+            it are written from the live tensors before the stage completes.
 
     ``dcp.async_save`` stages through :meth:`stage`, into a host slab (page-locked under CUDA) from
     the process-wide staging pool: every later save of the same state structure reuses it, through
@@ -144,6 +152,7 @@ class FastFileSystemWriter(FileSystemWriter):
     # sink is not the native engine copies them to the host first.
     _writes_through_ring = True
 
+    @renamed_arguments(WRITER_RENAMES)
     def __init__(
         self,
         path: str | os.PathLike,
@@ -160,9 +169,9 @@ class FastFileSystemWriter(FileSystemWriter):
         io_threads: int | None = None,
         task_bytes: int | None = None,
         checksums: bool | None = None,
-        memory_budget_bytes: int | None = None,
+        pinned_ring_limit_bytes: int | None = None,
         async_staging: bool | None = None,
-        staging_budget_bytes: int | None = None,
+        snapshot_limit_bytes: int | None = None,
     ) -> None:
         if thread_count is not None and (
             not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1
@@ -199,12 +208,13 @@ class FastFileSystemWriter(FileSystemWriter):
         # Tokens this writer object claimed for the save in progress (their in-flight markers,
         # fastdcp.save.inflight): released by the commit, or here when this rank's write fails.
         self._claimed_tokens: set[str] = set()
-        ring_budget = memory_budget_bytes if memory_budget_bytes is not None else _DEFAULT_RING_BYTES
-        if not isinstance(ring_budget, int) or isinstance(ring_budget, bool) or ring_budget < _RING_SLOTS * DIRECT_ALIGN:
+        ring_limit = pinned_ring_limit_bytes if pinned_ring_limit_bytes is not None else _DEFAULT_RING_BYTES
+        if not isinstance(ring_limit, int) or isinstance(ring_limit, bool) or ring_limit < _RING_SLOTS * DIRECT_ALIGN:
             raise ValueError(
-                f"memory_budget_bytes must be an int of at least {_RING_SLOTS * DIRECT_ALIGN}, got {memory_budget_bytes!r}"
+                f"pinned_ring_limit_bytes must be an int of at least {_RING_SLOTS * DIRECT_ALIGN}, "
+                f"got {pinned_ring_limit_bytes!r}"
             )
-        self.memory_budget_bytes = ring_budget
+        self.pinned_ring_limit_bytes = ring_limit
         # How the last save wrote its files (fastdcp.io.write_mode): O_DIRECT or buffered, and why.
         self.last_write_mode: WriteMode | None = None
         env_checksums = env_flag("FASTDCP_CHECKSUMS")
@@ -215,17 +225,17 @@ class FastFileSystemWriter(FileSystemWriter):
         if async_staging is not None and not isinstance(async_staging, bool):
             raise TypeError(f"async_staging must be a bool or None, got {async_staging!r}")
         self.async_staging = bool(async_staging if async_staging is not None else (env_async or False))
-        if staging_budget_bytes is None:
+        if snapshot_limit_bytes is None:
             # The environment sets a default for writers that stage overlapped; others ignore it.
-            staging_budget_bytes = env_bytes("FASTDCP_STAGING_BUDGET_BYTES") if self.async_staging else None
-        elif not isinstance(staging_budget_bytes, int) or isinstance(staging_budget_bytes, bool) or staging_budget_bytes < 0:
-            raise ValueError(f"staging_budget_bytes must be an int >= 0 or None, got {staging_budget_bytes!r}")
+            snapshot_limit_bytes = env_bytes("FASTDCP_SNAPSHOT_LIMIT_BYTES") if self.async_staging else None
+        elif not isinstance(snapshot_limit_bytes, int) or isinstance(snapshot_limit_bytes, bool) or snapshot_limit_bytes < 0:
+            raise ValueError(f"snapshot_limit_bytes must be an int >= 0 or None, got {snapshot_limit_bytes!r}")
         elif not self.async_staging:
             raise ValueError(
-                "staging_budget_bytes needs async_staging=True (FASTDCP_ASYNC_STAGING=1): a blocking stage "
+                "snapshot_limit_bytes needs async_staging=True (FASTDCP_ASYNC_STAGING=1): a blocking stage "
                 "always copies the whole state"
             )
-        self.staging_budget_bytes = staging_budget_bytes
+        self.snapshot_limit_bytes = snapshot_limit_bytes
         self._written_prefix: str | None = None  # the data-file prefix this rank's last write_data used
         self._last_commit: CommittedMetadata | None = None  # what the last finish() committed
 
@@ -259,7 +269,7 @@ class FastFileSystemWriter(FileSystemWriter):
             return self._stager.stage(state_dict, stage_engine)
         copy_engine = get_engine(dataclasses.replace(self.io_options, io_threads=default_copy_threads()))
         return self._stager.stage_overlapped(
-            state_dict, copy_engine, self.staging_budget_bytes, guarded_storage_keys(), self._checkpoint_where()
+            state_dict, copy_engine, self.snapshot_limit_bytes, guarded_storage_keys(), self._checkpoint_where()
         )
 
     def _checkpoint_where(self) -> str:
@@ -511,7 +521,7 @@ class FastFileSystemWriter(FileSystemWriter):
         """Write files holding device tensor bytes: device-to-host copies into a pinned ring leased
         for this save, overlapped with the writes of the slots before, several files per engine
         call (``fastdcp.save.device_ring``)."""
-        slot_bytes, slots, batch, in_flight = ring_shape(self.memory_budget_bytes, len(files), self._write_threads())
+        slot_bytes, slots, batch, in_flight = ring_shape(self.pinned_ring_limit_bytes, len(files), self._write_threads())
         ranges = [
             job
             for index, f in files

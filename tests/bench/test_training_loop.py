@@ -47,7 +47,7 @@ def _expected_systems() -> set[str]:
         out.add("fastdcp_blocking")
         if hasattr(fastdcp, "guard") and "async_staging" in inspect.signature(fastdcp.FastFileSystemWriter).parameters:
             out.add("fastdcp_overlap")
-            if "staging_budget_bytes" in inspect.signature(fastdcp.FastFileSystemWriter).parameters:
+            if "snapshot_limit_bytes" in inspect.signature(fastdcp.FastFileSystemWriter).parameters:
                 out.add("fastdcp_overlap_budget")
     else:
         out.add("fastdcp_blocking")  # the stand-in

@@ -687,7 +687,7 @@ FAST_OPTIONS = {
                              {"io_threads": 4, "task_bytes": 64 * 1024}),
     "one_thread": ({"io_threads": 1}, {"io_threads": 1}),
     "odd_task_bytes": ({"task_bytes": 12345}, {"task_bytes": 12345}),
-    "tiny_read_budget": ({}, {"memory_budget_bytes": 1 << 20, "task_bytes": 256 * 1024}),
+    "tiny_read_budget": ({}, {"read_buffer_limit_bytes": 1 << 20, "task_bytes": 256 * 1024}),
 }
 
 

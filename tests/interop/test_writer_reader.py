@@ -95,7 +95,7 @@ def test_short_transfers_at_writer_and_reader_level(tmp_path, monkeypatch, direc
 
 def test_writer_and_reader_are_picklable(tmp_path):
     w = FastFileSystemWriter(tmp_path, io_threads=3, direct_io=False)
-    r = FastFileSystemReader(tmp_path, memory_budget_bytes=1 << 20)
+    r = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=1 << 20)
     _save(_state(), w)  # creates the engine
     w2, r2 = pickle.loads(pickle.dumps(w)), pickle.loads(pickle.dumps(r))
     assert w2.io_options == w.io_options and r2.io_options == r.io_options
@@ -135,7 +135,7 @@ def test_memory_budget_bounds_staging(tmp_path):
     # Destinations that force staging: transposed storage (non-contiguous) and a dtype conversion.
     out = {"w": torch.zeros(384, 512).t(), "v": torch.zeros(4096, dtype=torch.float64)}
     budget = 64 << 10
-    reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
+    reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=budget)
     _load(out, reader)
     assert torch.equal(out["w"], sd["w"])
     assert torch.equal(out["v"], sd["v"].double())

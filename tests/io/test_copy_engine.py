@@ -107,7 +107,7 @@ def test_standin_device_state_is_saved_through_the_ring(tmp_path, thread_count):
     reset_pinned_pool()
     sd = _standin_state(5)
     expected = C.deepcopy_state_dict(sd)
-    writer = FastFileSystemWriter(tmp_path, thread_count=thread_count, memory_budget_bytes=1 << 20)
+    writer = FastFileSystemWriter(tmp_path, thread_count=thread_count, pinned_ring_limit_bytes=1 << 20)
     dcp.save(sd, storage_writer=writer, no_dist=True)
     assert pinned_pool_stats().buffers_allocated == 1, "the ring leased its memory from the pinned pool"
     assert pinned_pool_stats().bytes_leased == 0, "and gave it back"

@@ -69,7 +69,7 @@ def test_a_failing_span_still_counts_and_unwinds():
 def test_a_save_and_a_load_report_their_storage_phases(tmp_path):
     sd = {"a": to_standin_device(torch.randn(512, 512)), "b": torch.randn(1000), "step": 1}
     with P.recording() as rec:
-        dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path, memory_budget_bytes=1 << 20), no_dist=True)
+        dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path, pinned_ring_limit_bytes=1 << 20), no_dist=True)
     saved = rec.phases()
     assert {"plan", "layout", "open", "write", "fsync", "commit", "pin", "d2h_issue", "d2h_wait"} <= set(saved)
     assert abs(sum(v for k, v in saved.items() if k != "background") - rec.wall) < 1e-3

@@ -292,7 +292,7 @@ class _FakeCuda:
                     stats["requests"] += t.shape[0]
                     stats["bytes_read"] += int(t[:, 2].sum())
 
-            half = max(64, options.memory_budget_bytes // 2 // 64 * 64)
+            half = max(64, options.read_buffer_limit_bytes // 2 // 64 * 64)
             pieces = [p for pl in placements for p in pl.pieces]
             if pieces:
                 G.place_on_gpu(pieces, half, 4096, stats, read)
@@ -367,7 +367,7 @@ def test_simulated_pipeline_resharded_tiny_budget(tmp_path, monkeypatch, writer_
             slices[name] = (offsets, sizes)
             dest[name] = _destination(sizes, tensor.dtype, layout)
             expected[name] = C.box(tensor, offsets, sizes).to(dest[name].dtype)
-        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
+        reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=budget)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
         for name in saved:
             C.assert_tensor_bitexact(C.packed(dest[name]), C.packed(expected[name]), f"{name} {slices[name]}")
@@ -386,7 +386,7 @@ def test_simulated_pipeline_many_batches_reuse_slots(tmp_path, fake_cuda):
     C.save(saved, C.make_writer("fast", tmp_path))
     dest = {k: torch.zeros(256, 256, dtype=torch.bfloat16) for k in saved}
     budget = 200 << 10
-    reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
+    reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=budget)
     dcp.load(dest, storage_reader=reader, no_dist=True)
     for k, v in saved.items():
         C.assert_tensor_bitexact(dest[k], v.bfloat16(), k)
@@ -421,7 +421,7 @@ def test_simulated_pipeline_a_failed_read_stops_the_load_and_its_reader(tmp_path
 
     monkeypatch.setattr(G, "place_on_gpu", failing_place)
     with pytest.raises(BaseException, match="injected read error"):
-        dcp.load(dest, storage_reader=FastFileSystemReader(tmp_path, memory_budget_bytes=200 << 10), no_dist=True)
+        dcp.load(dest, storage_reader=FastFileSystemReader(tmp_path, read_buffer_limit_bytes=200 << 10), no_dist=True)
     assert len(reads) == 3, "no read after the failed one"
     assert not [t for t in threading.enumerate() if t.name.startswith("fastdcp-gpu-read")]
     assert ("release-pinned",) in fake_cuda.ops
@@ -477,7 +477,7 @@ def test_gpu_resharded_boxes(tmp_path, writer_kind, layout):
             slices[name] = (offsets, sizes)
             dest[name] = _destination(sizes, tensor.dtype, layout, device="cuda")
             expected[name] = C.box(tensor, offsets, sizes).to(dest[name].dtype)  # CPU conversion
-        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
+        reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=budget)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
         torch.cuda.synchronize()
         for name in saved:
@@ -492,7 +492,7 @@ def test_gpu_shard1_reshard_and_dtype_conversion(tmp_path):
         dest = {"w": torch.zeros(512, 256, dtype=dtype, device="cuda"),
                 "h": torch.zeros(100, 257, dtype=torch.float32, device="cuda")}
         planner = C.SliceLoadPlanner({"w": ([0, 512], [512, 256]), "h": ([150, 0], [100, 257])})
-        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=64 << 10)
+        reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=64 << 10)
         dcp.load(dest, storage_reader=reader, planner=planner, no_dist=True)
         torch.cuda.synchronize()
         C.assert_tensor_bitexact(dest["w"].cpu(), saved["w"][:, 512:768].to(dtype).contiguous(), f"w as {dtype}")
@@ -520,7 +520,7 @@ def test_gpu_non_contiguous_destinations_and_fallbacks(tmp_path):
     with torch.cuda.stream(side):  # a non-default current stream: copies must be ordered on it
         for k in ("t", "c", "big"):
             dest[k].fill_(1)
-        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=1 << 20)
+        reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=1 << 20)
         C.load(dest, reader)
         out = {k: v.cpu() for k, v in dest.items()}  # stream-ordered, no explicit synchronize
     for k, v in saved.items():
@@ -533,7 +533,7 @@ def test_gpu_many_small_tensors_tiny_budget(tmp_path):
     saved = C.many_small_tensors(200, seed=4)
     C.save(saved, C.make_writer("stock", tmp_path))
     dest = {k: torch.zeros_like(v, device="cuda") for k, v in saved.items()}
-    reader = FastFileSystemReader(tmp_path, memory_budget_bytes=8 << 10)
+    reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=8 << 10)
     C.load(dest, reader)
     torch.cuda.synchronize()
     for k, v in saved.items():

@@ -55,7 +55,7 @@ def test_random_boxes_into_every_layout(tmp_path, writer_kind, layout):
             slices[name] = (offsets, sizes)
             dest[name] = _destination(sizes, tensor.dtype, layout)
             expected[name] = C.box(tensor, offsets, sizes).to(dest[name].dtype)
-        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=16 << 10)
+        reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=16 << 10)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
         for name in saved:
             C.assert_tensor_bitexact(C.packed(dest[name]), C.packed(expected[name]), f"{name} round {round_} {slices[name]}")
@@ -70,7 +70,7 @@ def test_long_runs_are_read_without_amplification(tmp_path):
     C.save(saved, C.make_writer("fast", tmp_path))
     for dtype in (torch.bfloat16, torch.float32):  # in place (runs) and staged (conversion)
         dest = {"w": torch.zeros(64, 32768, dtype=dtype)}
-        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=1 << 20)
+        reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=1 << 20)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner({"w": ([0, 32768], [64, 32768])}), no_dist=True)
         C.assert_tensor_bitexact(dest["w"], C.packed(saved["w"][:, 32768:].to(dtype)), f"w as {dtype}")
         stats = reader.last_stats
@@ -98,7 +98,7 @@ def test_checkpoint_larger_than_budget(tmp_path):
     C.save(saved, C.make_writer("stock", tmp_path))
     dest = {k: torch.zeros(256, 256, dtype=torch.float64) for k in saved}  # staged: dtype conversion
     budget = 200 << 10
-    reader = FastFileSystemReader(tmp_path, memory_budget_bytes=budget)
+    reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=budget)
     dcp.load(dest, storage_reader=reader, no_dist=True)
     for k, v in saved.items():
         C.assert_tensor_bitexact(dest[k], v.double(), k)

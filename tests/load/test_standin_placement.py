@@ -46,7 +46,7 @@ def test_standin_load_resharded_through_many_slots(tmp_path, writer_kind, layout
 
     for _ in range(2):
         slices, dest, expected = C.random_boxes(saved, rng, destination)
-        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=16 << 10)
+        reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=16 << 10)
         dcp.load(dest, storage_reader=reader, planner=C.SliceLoadPlanner(slices), no_dist=True)
         for name in saved:
             C.assert_tensor_bitexact(C.packed(dest[name]), C.packed(expected[name]), f"{name} {slices[name]}")
@@ -62,7 +62,7 @@ def test_standin_load_of_a_whole_state_reports_its_phases(tmp_path):
     C.save(saved, C.make_writer("fast", tmp_path))
     dest = {k: to_standin_device(torch.zeros(128, 1024)) for k in saved}
     with recording() as rec:
-        reader = FastFileSystemReader(tmp_path, memory_budget_bytes=1 << 20)
+        reader = FastFileSystemReader(tmp_path, read_buffer_limit_bytes=1 << 20)
         dcp.load(dest, storage_reader=reader, no_dist=True)
     for k, v in saved.items():
         assert torch.equal(dest[k], v)

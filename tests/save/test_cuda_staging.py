@@ -82,7 +82,7 @@ def test_overlapped_staging_with_guard_holds_the_state_of_the_call(tmp_path, bud
     train = _Training()
     kwargs = {"async_staging": True}
     if budget is not None:
-        kwargs["staging_budget_bytes"] = budget
+        kwargs["snapshot_limit_bytes"] = budget
     paths = []
     with fastdcp.guard(train.opt, train.model):
         for i in range(3):

@@ -252,7 +252,7 @@ def test_save_through_the_ring_is_stock_readable(tmp_path, cpu_as_device, budget
     sd = _zoo()
     expected = C.deepcopy_state_dict(sd)
     kwargs = {"one-file": {}, "three-files": {"thread_count": 3}, "file-per-item": {"single_file_per_rank": False}}[layout]
-    dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path, memory_budget_bytes=budget, **kwargs), no_dist=True)
+    dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path, pinned_ring_limit_bytes=budget, **kwargs), no_dist=True)
     assert sum(c.copies for c in cpu_as_device) > 0, "the ring was not used"
     for reader in ("stock", "fast"):
         C.load_in_place_and_check(C.make_reader(reader, tmp_path), expected, C.destination_for(expected))
@@ -263,11 +263,11 @@ def test_ring_memory_is_reused_by_new_writers(tmp_path, cpu_as_device):
     usual training-loop pattern) reuses it instead of pinning again."""
     reset_pinned_pool()
     sd = _zoo()
-    dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path / "a", memory_budget_bytes=1 << 20), no_dist=True)
+    dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path / "a", pinned_ring_limit_bytes=1 << 20), no_dist=True)
     first = pinned_pool_stats()
     assert first.buffers_allocated == 1 and first.bytes_leased == 0 and first.bytes_held > 0
     for name in ("b", "c"):
-        dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path / name, memory_budget_bytes=1 << 20), no_dist=True)
+        dcp.save(sd, storage_writer=FastFileSystemWriter(tmp_path / name, pinned_ring_limit_bytes=1 << 20), no_dist=True)
     after = pinned_pool_stats()
     assert after.buffers_allocated == 1 and after.buffers_reused == 2 and after.bytes_held == first.bytes_held
 
@@ -281,8 +281,8 @@ def test_checksums_bypass_the_ring(tmp_path, cpu_as_device):
 
 
 def test_memory_budget_is_validated(tmp_path):
-    with pytest.raises(ValueError, match="memory_budget_bytes"):
-        FastFileSystemWriter(tmp_path, memory_budget_bytes=100)
+    with pytest.raises(ValueError, match="pinned_ring_limit_bytes"):
+        FastFileSystemWriter(tmp_path, pinned_ring_limit_bytes=100)
 
 
 @pytest.mark.cuda
@@ -291,7 +291,7 @@ def test_memory_budget_is_validated(tmp_path):
 def test_cuda_tensors_saved_through_the_ring(tmp_path, budget):
     sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _zoo().items()}
     expected = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
-    writer = FastFileSystemWriter(tmp_path, memory_budget_bytes=budget)
+    writer = FastFileSystemWriter(tmp_path, pinned_ring_limit_bytes=budget)
     dcp.save(sd, storage_writer=writer, no_dist=True)
     from fastdcp.io import pinned_pool
 

@@ -1,12 +1,12 @@
 """Overlapped async staging: ``FastFileSystemWriter(async_staging=True)``, ``fastdcp.guard`` and
-``staging_budget_bytes``.
+``snapshot_limit_bytes``.
 
 With ``async_staging=True`` the writer's ``stage()`` returns a Future (DCP's protocol), so
 ``dcp.async_save`` returns ``AsyncSaveResponse(staging_completion, upload_completion)`` before the
 state is copied. ``fastdcp.guard(optimizer, *modules)`` makes that safe in a plain training loop:
 ``optimizer.step()`` waits for the staging in flight, and the modules' buffers (BatchNorm running
 stats, changed by the next forward) are staged inside the ``async_save`` call. With
-``staging_budget_bytes`` at most about that many bytes are copied; the rest is written from the
+``snapshot_limit_bytes`` at most about that many bytes are copied; the rest is written from the
 live tensors, and staging completes only once those are written.
 
 Every checkpoint is loaded back with stock ``FileSystemReader`` and compared bit for bit with a
@@ -63,7 +63,7 @@ REPO_ROOT = TESTS_DIR.parent
 MiB = 1 << 20
 STEPS = 4  # checkpoints per training run
 ENV_ASYNC = "FASTDCP_ASYNC_STAGING"
-ENV_BUDGET = "FASTDCP_STAGING_BUDGET_BYTES"
+ENV_BUDGET = "FASTDCP_SNAPSHOT_LIMIT_BYTES"
 
 
 @pytest.fixture(autouse=True)
@@ -242,7 +242,7 @@ def _budget_loop(root: Path, model: _BigModel, *, kind: str, budget: int | None,
             if previous is not None:
                 _upload(previous).result()
             directory = root / f"budget-{step}"
-            writer = FastFileSystemWriter(directory, async_staging=True, staging_budget_bytes=budget)
+            writer = FastFileSystemWriter(directory, async_staging=True, snapshot_limit_bytes=budget)
             sd = {"model": model.state_dict()}
             expected = C.deepcopy_state_dict(sd)
             response = dcp.async_save(sd, storage_writer=writer, **_save_kwargs(kind))
@@ -495,8 +495,8 @@ def test_result_of_a_budgeted_stage_is_a_full_snapshot(tmp_path):
     sd = {f"s{i}": torch.randn(4 * MiB) for i in range(4)}  # 4 x 16 MiB: within the budget
     sd["tail"] = torch.randn(2 * MiB)  # 8 MiB over the budget: streamed, or copied late
     expected = C.deepcopy_state_dict(sd)
-    future = FastFileSystemWriter(tmp_path, async_staging=True, staging_budget_bytes=64 * MiB).stage(sd)
-    with pytest.warns(UserWarning, match="budget"):
+    future = FastFileSystemWriter(tmp_path, async_staging=True, snapshot_limit_bytes=64 * MiB).stage(sd)
+    with pytest.warns(UserWarning, match="snapshot limit"):
         staged = future.result(timeout=60)
     aliased = [name for name, t in staged.items() if t.untyped_storage().data_ptr() == sd[name].untyped_storage().data_ptr()]
     assert not aliased, f"staged {aliased} alias the live tensors: result() returned before the late copy was made"
@@ -547,9 +547,9 @@ def test_bad_environment_values_are_named(tmp_path, monkeypatch, env, value, pat
         # A value of the wrong type: TypeError is fine too (the writer's convention for bools).
         ({"async_staging": "yes"}, "async_staging", (ValueError, TypeError)),
         ({"async_staging": 1.0}, "async_staging", (ValueError, TypeError)),
-        ({"async_staging": True, "staging_budget_bytes": -1}, "staging_budget_bytes", ValueError),
-        ({"async_staging": True, "staging_budget_bytes": 1.5}, "staging_budget_bytes", (ValueError, TypeError)),
-        ({"async_staging": True, "staging_budget_bytes": "16M"}, "staging_budget_bytes", (ValueError, TypeError)),
+        ({"async_staging": True, "snapshot_limit_bytes": -1}, "snapshot_limit_bytes", ValueError),
+        ({"async_staging": True, "snapshot_limit_bytes": 1.5}, "snapshot_limit_bytes", (ValueError, TypeError)),
+        ({"async_staging": True, "snapshot_limit_bytes": "16M"}, "snapshot_limit_bytes", (ValueError, TypeError)),
     ],
 )
 def test_bad_arguments_are_named(tmp_path, kwargs, pattern, errors):
@@ -674,7 +674,7 @@ def _memory_child(root: str) -> None:
         counter = iter(range(1000))
 
         def async_save(state, budget):
-            writer = FastFileSystemWriter(root_path / f"m{next(counter)}", async_staging=True, staging_budget_bytes=budget)
+            writer = FastFileSystemWriter(root_path / f"m{next(counter)}", async_staging=True, snapshot_limit_bytes=budget)
             response = dcp.async_save(state, storage_writer=writer, no_dist=True)
             response.upload_completion.result()
             out.setdefault("reports", []).append(_report_dict(writer.last_staging_report))
@@ -744,8 +744,8 @@ def test_budget_process_mode_is_bit_exact_or_warns(process_mode_run):
         assert r["snapshot_bytes"] + r["streamed_bytes"] == state_bytes, r
         fell_back = r["completed_bytes"] > 0 or r["snapshot_bytes"] > PROCESS_BUDGET + 4 * MiB
         if fell_back:  # not honoured: a full snapshot, which must be announced
-            assert any("budget" in w.lower() for w in budget["warnings"]), (
-                f"process mode ignored staging_budget_bytes without a warning: {r}, warnings {budget['warnings']}"
+            assert any("snapshot limit" in w.lower() for w in budget["warnings"]), (
+                f"process mode ignored snapshot_limit_bytes without a warning: {r}, warnings {budget['warnings']}"
             )
 
 
@@ -923,7 +923,7 @@ def test_a_failed_save_raises_and_releases_the_guard(tmp_path, failure, budget):
         raised_in_call = None
         try:
             response = dcp.async_save(sd, storage_writer=FastFileSystemWriter(target, async_staging=True,
-                                                                             staging_budget_bytes=budget), no_dist=True)
+                                                                             snapshot_limit_bytes=budget), no_dist=True)
         except (Exception, CheckpointException) as error:  # staging may fail inside the call
             raised_in_call, response = error, None
         _step_must_return(optimizer)
@@ -937,7 +937,7 @@ def test_a_failed_save_raises_and_releases_the_guard(tmp_path, failure, budget):
         good = {"model": model.state_dict()}
         expected = C.deepcopy_state_dict(good)
         response = dcp.async_save(good, storage_writer=FastFileSystemWriter(tmp_path / "good", async_staging=True,
-                                                                           staging_budget_bytes=budget), no_dist=True)
+                                                                           snapshot_limit_bytes=budget), no_dist=True)
         _step_must_return(optimizer)
         assert response.staging_completion.done()
         response.upload_completion.result(timeout=60)
@@ -1002,7 +1002,7 @@ def test_sigkill_in_a_phase_of_an_overlapped_save(zygote, tmp_path, phase, budge
     notes, error_file = tmp_path / "notes", tmp_path / "error"
     writer_kwargs = {"async_staging": True}
     if budget is not None:
-        writer_kwargs["staging_budget_bytes"] = budget
+        writer_kwargs["snapshot_limit_bytes"] = budget
     pid = zygote.fork({
         "dir": str(directory), "seed": SEED, "scale": CRASH_SCALE, "first": 1, "count": 1,
         "async": True, "wait_staging": True, "writer_kwargs": writer_kwargs,
@@ -1105,7 +1105,7 @@ def test_awkward_state_through_stage_future(tmp_path):
 def test_awkward_state_through_async_save(tmp_path, budget):
     sd = _zoo(2)
     expected = C.deepcopy_state_dict(sd)
-    writer = FastFileSystemWriter(tmp_path, async_staging=True, staging_budget_bytes=budget)
+    writer = FastFileSystemWriter(tmp_path, async_staging=True, snapshot_limit_bytes=budget)
     response = dcp.async_save(sd, storage_writer=writer, no_dist=True)
     response.staging_completion.result()
     _scribble(sd)  # allowed from here on

@@ -98,7 +98,7 @@ def _rank_main(rank: int, root: str, pinned: bool) -> None:
                 options["async_staging"] = True
             if staging == "overlapped-budget":
                 # room for one of the two local shards: a ShardedTensor is staged or streamed whole
-                options["staging_budget_bytes"] = shard_bytes + 32
+                options["snapshot_limit_bytes"] = shard_bytes + 32
             path = os.path.join(root, f"case{index}")
             writer = FastFileSystemWriter(path, **options)
             st = _sharded(rank, index, device)

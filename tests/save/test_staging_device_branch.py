@@ -81,7 +81,7 @@ def test_overlapped_staging_completes_after_its_device_copies(tmp_path, pinned, 
     device copies waited for before the stage completes (with a budget: the tensors beyond it
     written from live memory before it completes)."""
     mark, copiers = device_tensors
-    writer = FastFileSystemWriter(tmp_path / "w", async_staging=True, staging_budget_bytes=budget)
+    writer = FastFileSystemWriter(tmp_path / "w", async_staging=True, snapshot_limit_bytes=budget)
     for step in range(2):
         sd = _state(10 + step)
         expected = C.deepcopy_state_dict(sd)

@@ -257,11 +257,11 @@ def test_a_state_bigger_than_the_cap_gets_an_unpooled_slab_and_one_warning(tmp_p
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / str(step), no_dist=True)
-        mine = [str(w.message) for w in caught if "staging pool's cap" in str(w.message)]
+        mine = [str(w.message) for w in caught if "staging pool's limit" in str(w.message)]
         if step == 0:
             assert len(mine) == 1, mine
-            assert f"cap of {PAGE} bytes" in mine[0] and "set_staging_pool_limit" in mine[0]
-            assert "FASTDCP_STAGING_POOL_BYTES" in mine[0]
+            assert f"limit of {PAGE} bytes" in mine[0] and "set_staging_pool_limit" in mine[0]
+            assert "FASTDCP_STAGING_POOL_LIMIT_BYTES" in mine[0]
         else:
             assert mine == [], "the cap warning is given once per process"
         _train_step(sd)
@@ -504,5 +504,5 @@ def test_default_cap(monkeypatch):
     monkeypatch.setenv(_pool.LIMIT_ENV, str(3 << 20))
     assert staging_pool_stats().limit_bytes == 3 << 20
     monkeypatch.setenv(_pool.LIMIT_ENV, "lots")
-    with pytest.raises(ValueError, match="FASTDCP_STAGING_POOL_BYTES"):
+    with pytest.raises(ValueError, match="FASTDCP_STAGING_POOL_LIMIT_BYTES"):
         _pool.default_limit()

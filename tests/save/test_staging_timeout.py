@@ -52,4 +52,4 @@ def test_the_message_of_a_stage_waiting_for_its_streamed_tensors():
     message = staging_timeout_message("s3://bucket/run/step_7", 1.5, report, copied=True)
     assert "staging 3000 bytes for the checkpoint at s3://bucket/run/step_7" in message, message
     assert "within 1.5 s" in message and "2000 bytes streamed" in message, message
-    assert "staging_budget_bytes" in message, message
+    assert "snapshot_limit_bytes" in message, message

@@ -40,7 +40,7 @@ def test_after_warm_up_the_first_save_and_async_save_allocate_nothing(tmp_path):
     assert staging.slabs_allocated == 1 and staging.slabs_idle == 1 and staging.bytes_in_use == 0
 
     expected = C.deepcopy_state_dict(sd)
-    dcp.save(sd, storage_writer=fastdcp.FastFileSystemWriter(tmp_path / "sync", memory_budget_bytes=8 * MIB),
+    dcp.save(sd, storage_writer=fastdcp.FastFileSystemWriter(tmp_path / "sync", pinned_ring_limit_bytes=8 * MIB),
              no_dist=True)
     future = dcp.async_save(sd, storage_writer=fastdcp.FastFileSystemWriter(tmp_path / "async"), no_dist=True)
     getattr(future, "upload_completion", future).result()
