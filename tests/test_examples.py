@@ -37,7 +37,8 @@ def header_commands(script: str) -> list[list[str]]:
 def test_the_folder_holds_the_examples():
     # A glob that found nothing would leave the parametrized test below with nothing to run.
     assert {"fsdp_save_load.py", "async_every_k_steps.py", "resume_other_world_size.py", "enable_checkpoint_id.py",
-            "export_safetensors.py", "tiered_checkpoints.py"} <= set(SCRIPTS), SCRIPTS
+            "export_safetensors.py", "tiered_checkpoints.py", "enable_async_save.py", "s3_checkpoints.py",
+            "open_one_tensor.py", "verify_checkpoint.py", "planners_at_scale.py"} <= set(SCRIPTS), SCRIPTS
     # What SCRIPTS leaves out by name must be there, or the exclusion hides nothing but a stale name.
     assert (EXAMPLES / SHARED).is_file()
 
