@@ -41,7 +41,11 @@ def _import_error(root: Path) -> str:
     """The stderr of a child process importing fastdcp from ``root`` (which must fail)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(root)
-    done = subprocess.run([sys.executable, "-c", "import fastdcp"], cwd=root, env=env, capture_output=True,
+    # Only the copy under ``root`` may be importable: an editable install of fastdcp adds a finder
+    # that would otherwise serve ``fastdcp._C`` from the installed tree when the copy lacks one.
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+            "if not getattr(f, '__module__', '').startswith('__editable__')]; import fastdcp")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0, "the doctored package imported"
     return done.stderr
