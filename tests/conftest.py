@@ -8,9 +8,11 @@
   off) or ``@pytest.mark.fastdcp_timeout(seconds)``.  Disabled when the
   ``pytest-timeout`` plugin is active;
 * a real S3-protocol endpoint for the tests that ask for it (``s3_endpoint``, ``s3_env``, ``s3``,
-  ``bucket``; :mod:`fastdcp.bench.s3_endpoint`): moto's server on 127.0.0.1 (the one s3fs's own
-  suite runs against) behind a proxy process that counts requests by S3 operation and injects
-  error responses on demand, started once per session when first asked for. Every test gets a
+  ``bucket``; :mod:`fastdcp.bench.s3_endpoint`): a SeaweedFS server on 127.0.0.1 (``weed mini``,
+  telemetry off; ``FASTDCP_S3_SERVER=moto`` runs the same tests against moto's server) behind a
+  proxy process that counts requests by S3 operation and injects error responses on demand,
+  started once per session when first asked for. Tests that check moto's own behaviour start
+  moto's server themselves. Every test gets a
   fresh bucket and the usual ``AWS_*`` environment pointing at the endpoint, as a user's job
   would have it.
 """

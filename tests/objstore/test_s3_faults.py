@@ -103,7 +103,7 @@ def test_the_network_cut_mid_save_leaves_the_previous_checkpoint(bucket, s3_env,
 
 
 def test_wrong_credentials_are_an_error_saying_so(tmp_path, monkeypatch):
-    with S3Endpoint(workdir=tmp_path, server_env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as guarded:
+    with S3Endpoint(workdir=tmp_path, server_env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"}, server="moto") as guarded:
         for name, value in guarded.env().items():
             monkeypatch.setenv(name, value)
         url = "s3://guarded/ckpt"
