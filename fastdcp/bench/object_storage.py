@@ -1,10 +1,11 @@
 """Object storage scenario (`s3`): checkpoints saved to and loaded from an S3-protocol server.
 
-The server is moto's (in-memory, on 127.0.0.1) behind :mod:`fastdcp.bench.s3_proxy`, which counts
-requests by S3 operation, started by :class:`~fastdcp.bench.s3_endpoint.S3Endpoint` for the
-scenario. It runs twice: with no added latency (``where=s3``), then with ``--s3-delay-ms`` added
-to each direction (``where=s3+<RTT>ms``), so that request counts and concurrency matter as on a
-network (this kernel has no ``netem``, so the proxy delays the bytes).
+The server is SeaweedFS (objects on disk; ``FASTDCP_S3_SERVER=moto``: moto's, in memory), on
+127.0.0.1 behind :mod:`fastdcp.bench.s3_proxy`, which counts requests by S3 operation, started by
+:class:`~fastdcp.bench.s3_endpoint.S3Endpoint` for the scenario. It runs twice: with no added
+latency (``where=s3``), then with ``--s3-delay-ms`` added to each direction
+(``where=s3+<RTT>ms``), so that request counts and concurrency matter as on a network. The proxy
+delays the bytes itself, so the latency needs neither root nor the kernel's ``netem``.
 
 Systems, interleaved per repeat, each saving the LLM-like state to its own prefix (overwriting
 its previous repeat, as a run's checkpoints to one path do):
@@ -18,8 +19,8 @@ its previous repeat, as a run's checkpoints to one path do):
   (left out with the reason otherwise);
 * ``s3_limit``: the server's limit, measured in the same loop: the state's bytes as 8 objects put
   by concurrent multipart uploads straight from memory (``save``), and those objects fetched
-  whole, concurrently (``load``: on this server a whole-object GET is the fastest read; a ranged
-  GET costs it a copy of the whole object).
+  whole, concurrently (``load``; on moto a whole-object GET is the fastest read, a ranged GET
+  costing it a copy of the whole object).
 
 The state is the LLM-like one at ``--s3-size`` (default the smaller of ``--size`` and 1 GiB).
 
@@ -262,8 +263,11 @@ def run_s3(ctx: Any, wheres: list[str]) -> None:
             ctx.note(f"s3: s3torchconnector left out: {why_not}")
         loaders = [s for s in LOADERS if s in systems]
         payload = memoryview(bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20))[:nbytes]
-        ctx.note("s3: moto's S3 server (in memory, one Python process) on 127.0.0.1 behind a counting proxy; "
-                 "its own speed caps every system (a real S3 bucket is far faster per connection count)")
+        server = {"seaweedfs": "SeaweedFS (weed mini, objects on disk)",
+                  "moto": "moto's S3 server (in memory, one Python process)"}[endpoint.server_name]
+        ctx.note(f"s3: {server} on 127.0.0.1 behind a counting proxy, which also adds the latency "
+                 f"({ctx.cfg.s3_delay_ms:g} ms each way in the second pass); the server's own speed (s3_limit, "
+                 f"same loop) caps every system, and a real S3 bucket is far faster per connection")
         for delay_ms in (0.0, float(ctx.cfg.s3_delay_ms)):
             if delay_ms != endpoint.delay_ms:
                 endpoint.kill_proxy()
