@@ -5,6 +5,9 @@
                                              writer recorded (checksums=True; reads those items
                                              whole); exit 0 = OK, 1 = damaged, 2 = usage error or
                                              not a checkpoint
+    python -m fastdcp gc URL [--delete] [--min-age-s 3600]
+                                             the objects interrupted saves left under an s3://
+                                             checkpoint; a dry run unless --delete
     python -m fastdcp convert SRC DST [--dtype bf16] [--keys REGEX] [--max-shard-size 5GB]
                                       [--memory-budget 1GiB]
                                              to .safetensors (sharded past --max-shard-size, with
@@ -31,6 +34,7 @@ from ..objstore.location import is_object_url
 from .checkpoint import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, NotACheckpoint, open_checkpoint
 from .object_checkpoint import open_object_checkpoint
 from .convert_command import DTYPE_NAMES, ConvertOptions, parse_size, run_convert
+from .gc_command import run_gc
 from .inspect_command import run_inspect
 from .verify_command import run_verify
 
@@ -66,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fastdcp", description="Inspect and verify PyTorch Distributed Checkpoint directories."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,convert}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,convert,gc}")
     for name, help_text in (
         ("inspect", "list tensors (shape, dtype, chunks), byte items and files"),
         ("verify", "check structure (metadata, files, byte ranges, blob headers); exit 0 OK, 1 damaged, 2 not a checkpoint"),
@@ -97,6 +101,17 @@ def _parser() -> argparse.ArgumentParser:
                          help=".pt only: keep non-tensor entries (unpickled as DCP does: trusted checkpoints only)")
     convert.add_argument("--allow-unsafe-metadata", action="store_true",
                          help="unpickle .metadata with plain pickle (runs any code it names: trusted checkpoints only)")
+    gc = sub.add_parser(
+        "gc", help="list (--delete: remove) the objects interrupted saves left under an s3:// checkpoint",
+        description="List the data objects under an object storage checkpoint that its .metadata does not name "
+        "(left by saves cut off before they could clean up), older than --min-age-s; --delete removes them. "
+        "A dry run by default; the checkpoint and every object DCP would not have written are kept.",
+    )
+    gc.add_argument("directory", metavar="URL", help="s3://bucket/prefix")
+    gc.add_argument("--delete", action="store_true", help="delete the objects left over (default: only list them)")
+    gc.add_argument("--min-age-s", type=float, default=3600.0,
+                    help="an unnamed object younger than this may belong to a save still running: kept (default 3600)")
+    gc.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
@@ -125,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "convert":
         return _convert(args)
+    if args.command == "gc":
+        return run_gc(args.directory, delete=args.delete, min_age_s=args.min_age_s, as_json=args.json)
     directory = args.directory
     try:
         opener = open_object_checkpoint if is_object_url(directory) else open_checkpoint
