@@ -292,7 +292,7 @@ def run_s3(ctx: Any, wheres: list[str]) -> None:
                     dcp.save(src, storage_writer=writer, no_dist=True)
                     seconds = time.perf_counter() - started
                     requests = endpoint.stats()
-                    ctx.recorder.add("s3", where, system, {"op": "save"}, nbytes, seconds, None,
+                    ctx.recorder.add("s3", where, system, {"op": "save"}, nbytes, seconds, "case:s3_limit",
                                      {"class": type(writer).__name__}, requests=requests)
                     ctx.progress(f"s3 {where:<9} save {system:<16} {rep + 1}/{ctx.cfg.repeats}: {seconds:7.3f} s "
                                  f"{nbytes / seconds / GIB:6.3f} GiB/s  {_short(requests)}")
@@ -313,7 +313,8 @@ def run_s3(ctx: Any, wheres: list[str]) -> None:
                     seconds = time.perf_counter() - started
                     requests = endpoint.stats()
                     verify_state(src, dest, f"s3/{where}/load/{system}")
-                    ctx.recorder.add("s3", where, system, {"op": "load"}, nbytes, seconds, None, {}, requests=requests)
+                    ctx.recorder.add("s3", where, system, {"op": "load"}, nbytes, seconds, "case:s3_limit", {},
+                                     requests=requests)
                     ctx.progress(f"s3 {where:<9} load {system:<16} {rep + 1}/{ctx.cfg.repeats}: {seconds:7.3f} s "
                                  f"{nbytes / seconds / GIB:6.3f} GiB/s  {_short(requests)}")
             # Cross-reading, once: each side loads the other's checkpoint bit-exact.

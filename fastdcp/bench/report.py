@@ -91,7 +91,7 @@ def table_lines(results: list[Result]) -> list[str]:
         return []
     for r in results:
         gib = "-" if r.gibps is None else f"{r.gibps:6.2f} [{r.gibps_min:.2f}-{r.gibps_max:.2f}]"
-        lim = "-" if r.fraction_of_limit is None else f"{100 * r.fraction_of_limit:4.0f}% {r.limit}"
+        lim = "-" if r.fraction_of_limit is None else f"{100 * r.fraction_of_limit:4.0f}% {(r.limit or '').removeprefix('case:')}"
         rows.append([r.scenario, r.label(), r.where, r.system, gib, _f(r.seconds_median, "{:.3f}"),
                      _f(r.ratio_vs_stock, "{:.2f}x"), _f(r.ratio_vs_stock_best, "{:.2f}x"),
                      _baseline_cell(r), lim])

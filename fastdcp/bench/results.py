@@ -31,7 +31,8 @@ class Result:
     where: str                       # target name: "dir", "shm", "checkpoint"
     bytes: int                       # logical bytes moved per run (tensor payload)
     seconds: list[float] = field(default_factory=list)
-    limit: str | None = None         # limit key, see Limits.value
+    limit: str | None = None         # limit key, see Limits.value; "case:<system>": that system's median
+                                     # in the same case of the same run (e.g. an S3 server's own speed)
     system_config: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     # filled by finalize()
@@ -115,6 +116,11 @@ def finalize(results: list[Result], limits: Limits | None) -> list[Result]:
             by_case.setdefault(r.case_key(), {})[r.system] = r
     for r in results:
         refs = by_case.get(r.case_key(), {})
+        if r.limit and r.limit.startswith("case:"):
+            ref = refs.get(r.limit.removeprefix("case:"))
+            r.limit_gibps = ref.gibps if ref is not None else None
+            if r.gibps and r.limit_gibps:
+                r.fraction_of_limit = r.gibps / r.limit_gibps
         if r.is_baseline:
             continue
         for ref_name, attr in (("stock", "ratio_vs_stock"), ("stock_best", "ratio_vs_stock_best")):
