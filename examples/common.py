@@ -88,6 +88,12 @@ def sharded_model(device: str, seed: int, width: int = 16, lr: float = 0.1) -> t
     return model, torch.optim.Adam(model.parameters(), lr=lr)
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: str) -> None:
+    """One step of training on a random batch: the parameters change and Adam has state to save."""
+    model(torch.rand(8, model.net1.in_features, device=device)).sum().backward()
+    optimizer.step()
+
+
 def snapshot(state: object, *, whole: bool = False, path: str = "") -> dict[str, object]:
     """Every leaf of a nested state dict by its dotted path, tensors copied to the CPU. A DTensor
     gives this rank's shard, or with ``whole=True`` the full tensor (a collective: every rank calls

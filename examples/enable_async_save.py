@@ -30,7 +30,6 @@ import os
 import re
 import tempfile
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -38,7 +37,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import fastdcp
 
-from common import AppState, differences, process_group, sharded_model, snapshot
+from common import AppState, differences, process_group, sharded_model, snapshot, train_step
 
 WIDTH = 256  # the tutorial's model made wider
 FASTDCP_DATA_FILE = re.compile(r"__\d+_[0-9a-f]+_\d+\.distcp")  # docs/GUARANTEES.md, "Save-unique names"
@@ -70,8 +69,7 @@ def main() -> None:
 
         expected: dict[str, dict[str, object]] = {}  # checkpoint path -> the state at its async_save call
         for step, mode in enumerate(("async", "async_with_pinned_mem"), start=1):
-            model(torch.rand(8, WIDTH, device=device)).sum().backward()
-            optimizer.step()
+            train_step(model, optimizer, device)
             optimizer.zero_grad()
             path = os.path.join(args.dir, f"step_{step}")
             state = {"app": AppState(model, optimizer)}
@@ -83,8 +81,7 @@ def main() -> None:
                                         async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
                 result.staging_completion.result()  # torchtitan's maybe_wait_for_staging()
             # Training goes on while the checkpoint is written: the live state changes.
-            model(torch.rand(8, WIDTH, device=device)).sum().backward()
-            optimizer.step()
+            train_step(model, optimizer, device)
             optimizer.zero_grad()
             getattr(result, "upload_completion", result).result()  # a Future, or an AsyncSaveResponse
         stager.close()

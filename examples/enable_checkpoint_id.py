@@ -22,21 +22,19 @@ import logging
 import os
 import tempfile
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import fastdcp
 
-from common import AppState, differences, process_group, sharded_model, snapshot
+from common import AppState, differences, process_group, sharded_model, snapshot, train_step
 
 
 def save_and_resume(path: str, device: str) -> tuple[dict[str, object], dict[str, object]]:
     """Framework code, unaware of fastdcp: train a step, save by checkpoint_id, load it into a fresh
     model. Returns the saved state and the loaded one."""
     model, optimizer = sharded_model(device, seed=0)
-    model(torch.rand(8, 16, device=device)).sum().backward()
-    optimizer.step()
+    train_step(model, optimizer, device)
     state = {"app": AppState(model, optimizer)}
     dcp.save(state, checkpoint_id=path)
 

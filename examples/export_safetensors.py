@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from fastdcp import FastFileSystemWriter
 
-from common import process_group, sharded_model
+from common import process_group, sharded_model, train_step
 
 
 def main() -> None:
@@ -39,8 +39,7 @@ def main() -> None:
     checkpoint, exported = os.path.join(args.dir, "checkpoint"), os.path.join(args.dir, "model.safetensors")
     with process_group() as device:
         model, optimizer = sharded_model(device, seed=0)
-        model(torch.rand(8, 16, device=device)).sum().backward()
-        optimizer.step()
+        train_step(model, optimizer, device)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optimizer_state}, storage_writer=FastFileSystemWriter(checkpoint))
         # The whole parameters (a collective, on every rank), in the checkpoint's key names.

@@ -19,14 +19,13 @@ import argparse
 import os
 import tempfile
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
 
-from common import AppState, differences, process_group, sharded_model, snapshot
+from common import AppState, differences, process_group, sharded_model, snapshot, train_step
 
 
 def main() -> None:
@@ -36,8 +35,7 @@ def main() -> None:
     with process_group() as device:
         model, optimizer = sharded_model(device, seed=0)
         optimizer.zero_grad()
-        model(torch.rand(8, 16, device=device)).sum().backward()
-        optimizer.step()
+        train_step(model, optimizer, device)
 
         state_dict = {"app": AppState(model, optimizer)}
         dcp.save(state_dict, storage_writer=FastFileSystemWriter(args.dir))

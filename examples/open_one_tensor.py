@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 import fastdcp
 from fastdcp import FastFileSystemWriter
 
-from common import AppState, process_group, sharded_model, snapshot
+from common import AppState, process_group, sharded_model, snapshot, train_step
 
 WIDTH = 1024  # net1.weight: 1024 x 1024 float32, 4 MiB
 KEY = "app.model.net1.weight"  # DCP's flattened name: the state dict's nested keys joined by dots
@@ -43,8 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     with process_group() as device:
         model, optimizer = sharded_model(device, seed=0, width=WIDTH)
-        model(torch.rand(8, WIDTH, device=device)).sum().backward()
-        optimizer.step()
+        train_step(model, optimizer, device)
         state = {"app": AppState(model, optimizer)}
         dcp.save(state, storage_writer=FastFileSystemWriter(args.dir))
         saved = snapshot({"app": state["app"].state_dict()}, whole=True)  # whole tensors, by DCP's names (a collective)

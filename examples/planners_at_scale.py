@@ -33,14 +33,13 @@ import argparse
 import os
 import tempfile
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner, FastSavePlanner
 
-from common import AppState, differences, process_group, sharded_model, snapshot
+from common import AppState, differences, process_group, sharded_model, snapshot, train_step
 
 
 def main() -> None:
@@ -55,8 +54,7 @@ def main() -> None:
         save_planner = FastSavePlanner()  # one for the run; its cache is per process
         expected: dict[str, dict[str, object]] = {}  # checkpoint path -> the state saved there
         for step in range(1, args.steps + 1):
-            model(torch.rand(8, 16, device=device)).sum().backward()
-            optimizer.step()
+            train_step(model, optimizer, device)
             optimizer.zero_grad()
             path = os.path.join(args.dir, f"step_{step}")
             state = {"app": AppState(model, optimizer)}

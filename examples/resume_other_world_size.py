@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
 
-from common import AppState, differences, process_group, sharded_model, snapshot
+from common import AppState, differences, process_group, sharded_model, snapshot, train_step
 
 
 def main() -> None:
@@ -40,8 +40,7 @@ def main() -> None:
         world_size = dist.get_world_size()
         if args.phase == "save":
             model, optimizer = sharded_model(device, seed=0)
-            model(torch.rand(8, 16, device=device)).sum().backward()
-            optimizer.step()
+            train_step(model, optimizer, device)
             state = {"app": AppState(model, optimizer)}
             dcp.save(state, storage_writer=FastFileSystemWriter(checkpoint))
             # The full tensors (a collective, on every rank), comparable with a state at any world size.

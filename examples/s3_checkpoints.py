@@ -34,13 +34,12 @@ import argparse
 import os
 import tempfile
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fastdcp import FastS3Reader, FastS3Writer, S3Options
 
-from common import AppState, differences, process_group, sharded_model, snapshot
+from common import AppState, differences, process_group, sharded_model, snapshot, train_step
 
 WIDTH = 512  # the tutorial's model made wider: 3 MiB of parameters and Adam state
 LOCAL_BUCKET = "fastdcp-examples"
@@ -80,8 +79,7 @@ def main() -> None:
                 url, options = args.url, S3Options(endpoint_url=args.endpoint)  # the rest from AWS_*
 
             model, optimizer = sharded_model(device, seed=0, width=WIDTH)
-            model(torch.rand(8, WIDTH, device=device)).sum().backward()
-            optimizer.step()
+            train_step(model, optimizer, device)
             state = {"app": AppState(model, optimizer)}
             dcp.save(state, storage_writer=FastS3Writer(url, s3_options=options))
             saved = snapshot(state["app"].state_dict())

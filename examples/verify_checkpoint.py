@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import fastdcp
 from fastdcp import FastFileSystemReader, FastFileSystemWriter
 
-from common import AppState, differences, process_group, sharded_model, snapshot
+from common import AppState, differences, process_group, sharded_model, snapshot, train_step
 
 WIDTH = 1024  # net1.weight: 4 MiB, a 2 MiB shard per rank
 KEY = "app.model.net1.weight"  # the tensor whose stored data gets one flipped byte
@@ -68,8 +67,7 @@ def main() -> None:
     good, damaged = os.path.join(args.dir, "good"), os.path.join(args.dir, "damaged")
     with process_group() as device:
         model, optimizer = sharded_model(device, seed=0, width=WIDTH)
-        model(torch.rand(8, WIDTH, device=device)).sum().backward()
-        optimizer.step()
+        train_step(model, optimizer, device)
         state = {"app": AppState(model, optimizer)}
         dcp.save(state, storage_writer=FastFileSystemWriter(good, checksums=True))
         saved = snapshot(state["app"].state_dict())
