@@ -132,6 +132,9 @@ CREDENTIAL_HELP = (
     "or AWS_PROFILE naming a profile of ~/.aws/config, or pass "
     "S3Options(access_key_id=..., secret_access_key=...)"
 )
+# What an access-denied error asks the user to check.
+_CHECK_CREDENTIALS = ("check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, or "
+                      "S3Options.access_key_id / secret_access_key)")
 # Paths of the instance metadata service: obstore's last resort for credentials. A request to one
 # of them failing means that no credentials were found anywhere before it.
 _METADATA_PATHS = ("/latest/api/token", "/latest/meta-data/")
@@ -281,9 +284,7 @@ def object_error(error: BaseException, url: str, action: str, options: S3Options
     if isinstance(error, (ox.NotFoundError, FileNotFoundError)):
         return ObjectNotFoundError(f"{action} {url}: no such object{where}")
     if isinstance(error, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
-        return ObjectAccessError(f"{action} {url}: access denied{where}: check the credentials "
-                                 f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, or "
-                                 f"S3Options.access_key_id / secret_access_key): {detail}")
+        return ObjectAccessError(f"{action} {url}: access denied{where}: {_CHECK_CREDENTIALS}: {detail}")
     if any(path in text for path in _METADATA_PATHS):
         return ObjectAccessError(f"{action} {url}: no S3 credentials were found{where} (not in S3Options, the "
                                  f"environment, the AWS config files, nor the instance metadata service, "
@@ -292,8 +293,6 @@ def object_error(error: BaseException, url: str, action: str, options: S3Options
         return ObjectExistsError(f"{action} {url}: the object already exists{where}")
     if isinstance(error, ox.BaseError):
         if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "AccessDenied" in text:
-            return ObjectAccessError(f"{action} {url}: access denied{where}: check the credentials "
-                                     f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, or "
-                                     f"S3Options.access_key_id / secret_access_key): {detail}")
+            return ObjectAccessError(f"{action} {url}: access denied{where}: {_CHECK_CREDENTIALS}: {detail}")
         return ObjectStoreError(f"{action} {url} failed{where}: {detail}")
     return error
