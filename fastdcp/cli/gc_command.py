@@ -14,20 +14,13 @@ from ..format.metadata import CheckpointFormatError
 from ..objstore.client import ObjectStoreError, S3Options, store_for
 from ..objstore.leftovers import Leftovers, StoredObject, find_leftovers, remove_leftovers
 from ..objstore.location import ObjectLocation, is_object_url
-from .checkpoint import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE
+from .checkpoint import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, human_size
 
 __all__ = ["run_gc"]
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
 def _total(objects: list[StoredObject]) -> str:
-    return f"{len(objects)} object{'' if len(objects) == 1 else 's'}, {_size(sum(o.size for o in objects))}"
+    return f"{len(objects)} object{'' if len(objects) == 1 else 's'}, {human_size(sum(o.size for o in objects))}"
 
 
 def _as_json(found: Leftovers, deleted: bool, failed: list[str]) -> dict:
@@ -70,7 +63,7 @@ def run_gc(target: str, *, delete: bool, min_age_s: float, as_json: bool, option
     print(f"{found.url}: {state}; kept: {_total(found.named)} it names")
     print(f"left over (named by no .metadata, older than {min_age_s:g} s): {_total(found.leftover)}")
     for obj in found.leftover:
-        print(f"  {obj.name}  {_size(obj.size)}")
+        print(f"  {obj.name}  {human_size(obj.size)}")
     if found.recent:
         print(f"kept, younger than {min_age_s:g} s (a save may still own them): {_total(found.recent)}")
     if found.other:

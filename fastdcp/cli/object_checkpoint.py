@@ -11,6 +11,7 @@ from typing import Any
 from ..format.metadata import METADATA_NAME, RANK_METADATA_RE, CheckpointNotFoundError
 from ..objstore.client import ObjectNotFoundError, ObjectStoreError, S3Options, object_error, require_obstore, store_for
 from ..objstore.commit import object_exists, read_checkpoint_metadata
+from ..objstore.leftovers import list_objects
 from ..objstore.location import ObjectLocation
 from ..objstore.transfer import ObjectFile, ObjectReadEngine
 from .checkpoint import Checkpoint, NotACheckpoint
@@ -76,13 +77,7 @@ class ObjectFiles:
 
     def object_names(self) -> list[str]:
         """The names directly under the prefix (one LIST, paged by the client)."""
-        obstore = require_obstore()
-        prefix = self.location.key("")
-        try:
-            listed = obstore.list_with_delimiter(self.store, prefix or None)
-        except Exception as error:  # noqa: BLE001 - translated, naming the prefix
-            raise object_error(error, self.location.url(), "listing", self.options) from error
-        return [meta["path"][len(prefix):] for meta in listed["objects"] if meta["path"].startswith(prefix)]
+        return [obj.name for obj in list_objects(self.store, self.location, self.options)]
 
     def data_file_names(self) -> list[str]:
         try:

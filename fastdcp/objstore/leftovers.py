@@ -27,7 +27,8 @@ from .commit import read_checkpoint_metadata
 from .location import ObjectLocation
 from .transfer import delete_objects
 
-__all__ = ["DEFAULT_MIN_AGE_S", "DATA_OBJECT_RE", "StoredObject", "Leftovers", "find_leftovers", "remove_leftovers"]
+__all__ = ["DEFAULT_MIN_AGE_S", "DATA_OBJECT_RE", "StoredObject", "Leftovers", "list_objects", "find_leftovers",
+           "remove_leftovers"]
 
 DEFAULT_MIN_AGE_S = 3600.0  # as long as a save may take between its first upload and its commit
 
@@ -65,8 +66,8 @@ class Leftovers:
     other: list[StoredObject] = field(default_factory=list)
 
 
-def _listing(store: Any, location: ObjectLocation, options: S3Options) -> list[StoredObject]:
-    """The objects directly under the prefix (one paged LIST)."""
+def list_objects(store: Any, location: ObjectLocation, options: S3Options) -> list[StoredObject]:
+    """The objects directly under the checkpoint's prefix (one LIST, paged by the client); errors name the prefix."""
     obstore = require_obstore()
     prefix = location.key("")
     try:
@@ -86,7 +87,7 @@ def find_leftovers(store: Any, location: ObjectLocation, options: S3Options, *, 
         min_age_s: how old an unnamed data object must be to count as left over (default one hour).
         now: the time ages are measured from (default: now).
     """
-    objects = _listing(store, location, options)
+    objects = list_objects(store, location, options)
     try:
         metadata = read_checkpoint_metadata(store, location, METADATA_NAME, options, allow_unsafe=False)
         referenced = {info.relative_path for info in (metadata.storage_data or {}).values()} | {METADATA_NAME}
