@@ -22,7 +22,7 @@ from .client import ObjectAccessError, ObjectNotFoundError, ObjectStoreError, S3
 from .location import ObjectLocation
 
 __all__ = ["ObjectFile", "ObjectReadEngine", "upload_image", "delete_objects", "COALESCE_GAP", "transfer_pool",
-           "wait_all"]
+           "wait_all", "range_chunks"]
 
 # Runs of one object at most this far apart are fetched by one request: a request costs a round
 # trip (~20 ms across a region), and 256 KiB more of a response costs ~3 ms at 90 MB/s.
@@ -224,10 +224,11 @@ def _table_at(address: int, n: int) -> Any:
     return torch.frombuffer(bytearray(view), dtype=torch.int64).reshape(n, 3)
 
 
-def _image_chunks(segments: list[tuple], size: int) -> Iterator[memoryview | bytes]:
-    """A data-file image (sorted ``(offset, bytes)`` / ``(offset, address, nbytes)`` segments,
-    zeros in the gaps) as buffers in file order."""
-    pos = 0
+def range_chunks(segments: list[tuple], start: int, end: int) -> Iterator[memoryview | bytes]:
+    """The bytes ``[start, end)`` of a data-file image as buffers in file order: the sorted
+    ``(offset, bytes)`` / ``(offset, address, nbytes)`` segments (clipped to the range by the
+    caller, or wholly inside it), zeros in the gaps."""
+    pos = start
     for segment in segments:
         offset = segment[0]
         while pos < offset:
@@ -241,8 +242,8 @@ def _image_chunks(segments: list[tuple], size: int) -> Iterator[memoryview | byt
         if len(data):
             yield data
         pos = offset + len(data)
-    while pos < size:
-        gap = min(size - pos, len(_ZEROS))
+    while pos < end:
+        gap = min(end - pos, len(_ZEROS))
         yield memoryview(_ZEROS)[:gap]
         pos += gap
 
@@ -256,10 +257,10 @@ def upload_image(store: Any, location: ObjectLocation, name: str, segments: list
     url = location.url(name)
     try:
         if size <= options.part_bytes:
-            body = b"".join(_image_chunks(segments, size))
+            body = b"".join(range_chunks(segments, 0, size))
             obstore.put(store, location.key(name), body, use_multipart=False)
         else:
-            obstore.put(store, location.key(name), _image_chunks(segments, size), use_multipart=True,
+            obstore.put(store, location.key(name), range_chunks(segments, 0, size), use_multipart=True,
                         chunk_size=options.part_bytes, max_concurrency=max(1, concurrency))
     except ObjectStoreError:
         raise

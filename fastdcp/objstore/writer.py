@@ -27,11 +27,13 @@ from ..compat.renamed import S3_WRITER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.gc import gc_paused
 from ..save.file_image import FilePlan
+from ..save import writer as disk_writer
 from ..save.writer import FastFileSystemWriter
 from . import commit
 from .client import S3Options
 from .location import ObjectLocation
 from .located import AtObjectLocation
+from .device_upload import UploadRing, ring_slots, upload_device_image
 from .transfer import delete_objects, transfer_pool, upload_image, wait_all
 
 __all__ = ["FastS3Writer"]
@@ -46,7 +48,9 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
     durable once its upload completes). ``s3_options``: :class:`S3Options` (endpoint, region,
     credentials, retries, part size, requests in flight); unset, everything comes from the usual
     ``AWS_*`` environment. ``checksums``, ``async_staging``, ``snapshot_limit_bytes``: as
-    :class:`fastdcp.FastFileSystemWriter`. GPU tensors are copied to host memory before their upload.
+    ``pinned_ring_limit_bytes``: as :class:`fastdcp.FastFileSystemWriter`: GPU tensors are uploaded
+    part by part from a ring of pinned slots of ``s3_options.part_bytes``
+    (:mod:`fastdcp.objstore.device_upload`), never copied whole to host memory.
 
     Objects are named as fastdcp names local files (``__{rank}_{token}_{i}.distcp``, the token new
     per save), so an overwrite never mixes two saves' objects, and ``.metadata`` is written last,
@@ -56,8 +60,6 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
     to create the same checkpoint exactly one commits. The objects of the checkpoint a save
     replaced are deleted after its commit.
     """
-
-    _writes_through_ring = False
 
     @renamed_arguments(S3_WRITER_RENAMES)
     def __init__(
@@ -77,6 +79,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         async_staging: bool | None = None,
         snapshot_limit_bytes: int | None = None,
         io_threads: int | None = None,
+        pinned_ring_limit_bytes: int | None = None,
     ) -> None:
         self.location = ObjectLocation.parse(path)
         super().__init__(
@@ -93,6 +96,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
             async_staging=async_staging,
             snapshot_limit_bytes=snapshot_limit_bytes,
             io_threads=io_threads,
+            pinned_ring_limit_bytes=pinned_ring_limit_bytes,
             direct_io=False,
         )
         self._settle(self.location, s3_options)
@@ -101,6 +105,8 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         self.sync_files = False
         # This rank's uploads in the save in progress (deleted if the save fails).
         self._uploaded: list[str] = []
+        # Parts the last save uploaded from the pinned ring (its GPU tensor bytes).
+        self.last_ring_parts = 0
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
@@ -134,6 +140,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._uploaded = []
+        self.last_ring_parts = 0
         try:
             if self._stock_writes_everything():
                 # Stock's writer code, through object streams (each file one PUT when complete).
@@ -157,16 +164,32 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
 
     def _write_files(self, files: list[FilePlan], options: Any) -> None:
         """Upload every file image concurrently: files share the process's request threads, each
-        with an equal share of the parts in flight."""
+        with an equal share of the parts in flight; files holding device tensor bytes upload them
+        through one pinned ring (:mod:`.device_upload`)."""
         store = self._store()
         s3 = self.s3_options
         per_file = max(2, s3.concurrency // max(1, len(files)))
         pool = transfer_pool(max(len(files), 1))
-        futures = []
-        for f in files:
-            self._uploaded.append(f.path)
-            futures.append(pool.submit(upload_image, store, self.location, f.path, f.segments, f.size, s3, per_file))
-        wait_all(futures)
+        on_device = [f for f in files if f.device_segments]
+        ring = None
+        if on_device:
+            slots = ring_slots(self.pinned_ring_limit_bytes, s3.part_bytes, len(on_device), per_file)
+            ring = UploadRing(s3.part_bytes, slots, disk_writer._make_copier())
+        try:
+            futures = []
+            for f in files:
+                self._uploaded.append(f.path)
+                if f.device_segments:
+                    futures.append(pool.submit(upload_device_image, store, self.location, f.path, f.segments,
+                                               f.device_segments, f.size, ring, s3, per_file))
+                else:
+                    futures.append(pool.submit(upload_image, store, self.location, f.path, f.segments, f.size, s3,
+                                               per_file))
+            wait_all(futures)
+        finally:
+            if ring is not None:
+                ring.close()
+                self.last_ring_parts = ring.parts
 
     # --- commit ------------------------------------------------------------------------------ #
 

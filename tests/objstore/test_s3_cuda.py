@@ -1,6 +1,7 @@
 """GPU tensors and S3 (skip without a CUDA device): GPU-resident states saved to the test server,
-sync and with overlapped ``async_save`` staging, read back by stock's fsspec reader and by fastdcp
-into GPU destinations in place, and ``fastdcp.open(..., device="cuda")`` over S3."""
+sync (the device bytes through the pinned upload ring) and with overlapped ``async_save``
+staging, read back by stock's fsspec reader and by fastdcp into GPU destinations in place, and
+``fastdcp.open(..., device="cuda")`` over S3."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_cases as C
+from fastdcp import S3Options
+from fastdcp.io.pinned_pool import pinned_pool_stats
 from fastdcp.objstore.reader import FastS3Reader
 from fastdcp.objstore.writer import FastS3Writer
 
@@ -44,8 +47,12 @@ def test_a_gpu_state_saved_to_s3_loads_with_stock_and_into_gpu_tensors(bucket, s
 
     url = f"s3://{bucket}/gpu"
     sd = _gpu_state()
+    sd["gpu_big"] = C.random_float((5 << 20,), (0, "gpu-big")).cuda()  # 20 MiB: several parts
     expected = _on_cpu(sd)
-    dcp.save(sd, storage_writer=FastS3Writer(url), no_dist=True)
+    writer = FastS3Writer(url, s3_options=S3Options(part_bytes=5 << 20))
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    assert writer.last_ring_parts >= 4  # the device bytes went part by part through the pinned ring
+    assert pinned_pool_stats().bytes_leased == 0
     dest = C.destination_for(expected)
     dcp.load(dest, storage_reader=FsspecReader(url, endpoint_url=s3_env.endpoint), no_dist=True)
     C.assert_same(dest, expected, check_stride=False)
