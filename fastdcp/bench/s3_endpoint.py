@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -148,14 +149,33 @@ class S3Endpoint:
                    f"-s3.port={self.server_port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                    "-s3.autoCreateBucket=false",  # as S3 does: a missing bucket is an error, not made on upload
                    "-webdav=false", "-admin.ui=false", *(f"-{flag}={port}" for flag, port in ports.items())]
-        self.server = subprocess.Popen(
-            command, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=data,
-            env={**os.environ, "AWS_ACCESS_KEY_ID": credentials["AWS_ACCESS_KEY_ID"],
-                 "AWS_SECRET_ACCESS_KEY": credentials["AWS_SECRET_ACCESS_KEY"], **self.server_env},
-            start_new_session=True,
-        )
+        self._server_command = (command, data, {**os.environ, "AWS_ACCESS_KEY_ID": credentials["AWS_ACCESS_KEY_ID"],
+                                                "AWS_SECRET_ACCESS_KEY": credentials["AWS_SECRET_ACCESS_KEY"],
+                                                **self.server_env})
+        self._launch_seaweedfs(log)
+
+    def _launch_seaweedfs(self, log: Path) -> None:
+        command, data, env = self._server_command
+        self.server = subprocess.Popen(command, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, cwd=data, env=env, start_new_session=True)
         _wait_listening(self.server_port, self.server, log, "SeaweedFS's S3 server", timeout=120)
         self._wait_serving(log)
+
+    def kill_server(self) -> None:
+        """The S3 server dies (SIGKILL, with every process it started) mid-whatever; its data stays."""
+        if self.server is not None:
+            try:
+                os.killpg(self.server.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.server.wait()
+            self.server = None
+
+    def restart_server(self) -> None:
+        """Start a killed SeaweedFS server again on the same ports and data directory."""
+        if self.server_name != "seaweedfs":
+            raise ValueError("restart_server: only SeaweedFS keeps its objects across a restart")
+        self._launch_seaweedfs(self.workdir / "seaweedfs.log")
 
     def _wait_serving(self, log: Path, timeout: float = 120) -> None:
         """Until the S3 server answers a signed request (its filer and volumes may start after the port)."""

@@ -30,7 +30,7 @@ from .client import (BucketNotFoundError, ObjectExistsError, ObjectNotFoundError
 from .location import ObjectLocation
 from .transfer import delete_objects
 
-__all__ = ["object_exists", "read_object", "read_checkpoint_metadata", "commit_metadata", "metadata_bytes"]
+__all__ = ["object_exists", "is_object_name", "read_object", "read_checkpoint_metadata", "commit_metadata", "metadata_bytes"]
 
 logger = logging.getLogger("fastdcp")
 
@@ -71,9 +71,18 @@ def read_checkpoint_metadata(store: Any, location: ObjectLocation, name: str, op
     metadata = parse_metadata(data, location.url(name), allow_unsafe=allow_unsafe)
     for info in (metadata.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", ".."):
+        if not is_object_name(rel):
             raise CheckpointFormatError(f"{location.url(name)} names a data object {rel!r} outside the checkpoint")
     return metadata
+
+
+def is_object_name(rel: Any) -> bool:
+    """Whether ``rel`` names an object inside a checkpoint's prefix: a plain name, or one
+    sub-prefix and a name (``FastS3Writer(key_prefixes=...)``); no empty, ``.`` or ``..`` part."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
+        return False
+    parts = rel.split("/")
+    return len(parts) <= 2 and all(part and part not in (".", "..") for part in parts)
 
 
 def metadata_bytes(metadata: Metadata) -> bytes:

@@ -6,7 +6,8 @@ where it cannot (the network is gone, the process is killed), its completed obje
 Nothing names them, so they never load, but they take space. ``python -m fastdcp gc`` lists them
 and, with ``--delete``, removes them.
 
-A *leftover* is a data object directly under the prefix, named as DCP names data files (stock's
+A *leftover* is a data object directly under the prefix or under one of its hex sub-prefixes
+(``FastS3Writer(key_prefixes=...)``), named as DCP names data files (stock's
 ``__{rank}_{i}.distcp`` or fastdcp's), that the committed ``.metadata`` does not name, and older
 than ``min_age_s``: object storage holds no in-flight marker, so a younger object may belong to a
 save that is still running. Everything else is kept, and objects DCP would not have written are
@@ -32,13 +33,17 @@ __all__ = ["DEFAULT_MIN_AGE_S", "DATA_OBJECT_RE", "StoredObject", "Leftovers", "
 
 DEFAULT_MIN_AGE_S = 3600.0  # as long as a save may take between its first upload and its commit
 
-# Data objects as DCP names them: stock's __{rank}_{i}.distcp, fastdcp's __{rank}_{token}_{i}.distcp.
-DATA_OBJECT_RE = re.compile(r"^__\d+_(?:[0-9a-f]+_)?\d+\.distcp$")
+# Data objects as DCP names them: stock's __{rank}_{i}.distcp, fastdcp's __{rank}_{token}_{i}.distcp,
+# either under a hex sub-prefix (key_prefixes).
+DATA_OBJECT_RE = re.compile(r"^(?:[0-9a-f]+/)?__\d+_(?:[0-9a-f]+_)?\d+\.distcp$")
+# The sub-prefixes FastS3Writer(key_prefixes=...) spreads data objects over.
+_SUB_PREFIX_RE = re.compile(r"^[0-9a-f]+/$")
 
 
 @dataclass(frozen=True)
 class StoredObject:
-    """One object directly under the checkpoint's prefix: its name there, size, last change."""
+    """One object under the checkpoint's prefix: its name there (``<hex>/`` first when under a
+    sub-prefix), size, last change."""
 
     name: str
     size: int
@@ -67,15 +72,24 @@ class Leftovers:
 
 
 def list_objects(store: Any, location: ObjectLocation, options: S3Options) -> list[StoredObject]:
-    """The objects directly under the checkpoint's prefix (one LIST, paged by the client); errors name the prefix."""
+    """The objects directly under the checkpoint's prefix and under its hex sub-prefixes (one LIST,
+    paged by the client, and one per sub-prefix); errors name the prefix."""
     obstore = require_obstore()
     prefix = location.key("")
-    try:
-        listed = obstore.list_with_delimiter(store, prefix or None)
-    except Exception as error:  # noqa: BLE001 - translated, naming the prefix
-        raise object_error(error, location.url(), "listing", options) from error
-    return [StoredObject(meta["path"][len(prefix):], int(meta["size"]), meta["last_modified"].timestamp())
-            for meta in listed["objects"] if meta["path"].startswith(prefix)]
+    found: list[StoredObject] = []
+    pending = [prefix]
+    while pending:
+        where = pending.pop()
+        try:
+            listed = obstore.list_with_delimiter(store, where or None)
+        except Exception as error:  # noqa: BLE001 - translated, naming the prefix
+            raise object_error(error, location.url(where[len(prefix):]), "listing", options) from error
+        found += [StoredObject(meta["path"][len(prefix):], int(meta["size"]), meta["last_modified"].timestamp())
+                  for meta in listed["objects"] if meta["path"].startswith(prefix)]
+        if where == prefix:
+            pending += [p if p.endswith("/") else p + "/" for p in listed["common_prefixes"]
+                        if _SUB_PREFIX_RE.match((p if p.endswith("/") else p + "/")[len(prefix):])]
+    return found
 
 
 def find_leftovers(store: Any, location: ObjectLocation, options: S3Options, *, min_age_s: float = DEFAULT_MIN_AGE_S,

@@ -36,7 +36,27 @@ from .located import AtObjectLocation
 from .device_upload import UploadRing, ring_slots, upload_device_image
 from .transfer import delete_objects, transfer_pool, upload_image, wait_all
 
-__all__ = ["FastS3Writer"]
+__all__ = ["FastS3Writer", "key_prefixes_from", "MAX_KEY_PREFIXES"]
+
+# The most sub-prefixes a checkpoint's data objects are spread over.
+MAX_KEY_PREFIXES = 1 << 16
+
+
+def key_prefixes_from(value: int | None) -> int:
+    """``key_prefixes`` as given, else ``FASTDCP_S3_KEY_PREFIXES``, else 1; checked."""
+    where = "key_prefixes"
+    if value is None:
+        raw = os.environ.get("FASTDCP_S3_KEY_PREFIXES", "").strip()
+        if not raw:
+            return 1
+        where = "FASTDCP_S3_KEY_PREFIXES"
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{where} must be an integer from 1 to {MAX_KEY_PREFIXES}, got {raw!r}") from None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_KEY_PREFIXES:
+        raise ValueError(f"{where} must be an integer from 1 to {MAX_KEY_PREFIXES}, got {value!r}")
+    return value
 
 
 class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
@@ -51,6 +71,11 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
     ``pinned_ring_limit_bytes``: as :class:`fastdcp.FastFileSystemWriter`: GPU tensors are uploaded
     part by part from a ring of pinned slots of ``s3_options.part_bytes``
     (:mod:`fastdcp.objstore.device_upload`), never copied whole to host memory.
+
+    ``key_prefixes`` (environment ``FASTDCP_S3_KEY_PREFIXES``; default 1): spread the data
+    objects over that many sub-prefixes of the checkpoint's prefix (``<hex>/__{rank}_...``, rank
+    ``r`` under ``r % key_prefixes``), for stores that scale request rates per prefix; ``.metadata``
+    names them, so stock's reader loads the checkpoint as it is.
 
     Objects are named as fastdcp names local files (``__{rank}_{token}_{i}.distcp``, the token new
     per save), so an overwrite never mixes two saves' objects, and ``.metadata`` is written last,
@@ -80,8 +105,10 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         snapshot_limit_bytes: int | None = None,
         io_threads: int | None = None,
         pinned_ring_limit_bytes: int | None = None,
+        key_prefixes: int | None = None,
     ) -> None:
         self.location = ObjectLocation.parse(path)
+        self.key_prefixes = key_prefixes_from(key_prefixes)
         super().__init__(
             self.location.url(),
             single_file_per_rank=single_file_per_rank,
@@ -120,6 +147,14 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         self._claimed_tokens.add(token)
         return token
 
+    def _storage_prefix(self, rank: int) -> str:
+        # With key_prefixes, rank r's objects go under sub-prefix r % key_prefixes (hex).
+        name = f"__{rank}_{self._save_token}_"
+        if self.key_prefixes <= 1:
+            return name
+        width = len(format(self.key_prefixes - 1, "x"))
+        return f"{rank % self.key_prefixes:0{width}x}/{name}"
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:
             name = METADATA_NAME if getattr(self, "use_collectives", True) else f"__0{METADATA_NAME}"
@@ -127,7 +162,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
                 raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {self.location.url(name)}")
         if self._rank_local():
             self._save_token = self._claim_token()
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_{self._save_token}_"))
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._storage_prefix(self.rank)))
         return plan
 
     # --- writing ----------------------------------------------------------------------------- #

@@ -343,13 +343,17 @@ class FastFileSystemWriter(FileSystemWriter):
         self._claimed_tokens.add(token)
         return token
 
+    def _storage_prefix(self, rank: int) -> str:
+        """What the names of rank ``rank``'s data files in this save start with."""
+        return f"__{rank}_{self._save_token}_"
+
     @timed("plan")
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)  # mkdir, overwrite check, stock's rank-local prefix
         if self._rank_local() and isinstance(plan.storage_data, _StoragePrefix):
             if plan.storage_data.prefix == f"__{self.rank}_":
                 self._save_token = self._claim_token()
-                plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_{self._save_token}_"))
+                plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._storage_prefix(self.rank)))
                 crash_point("plan")
         return plan
 
@@ -359,7 +363,7 @@ class FastFileSystemWriter(FileSystemWriter):
             return super().prepare_global_plan(plans)  # rank-local prefixes were chosen already
         self._save_token = self._claim_token()
         new_plans = [
-            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{self._save_token}_"))
+            dataclasses.replace(plan, storage_data=_StoragePrefix(self._storage_prefix(i)))
             if plan.storage_data is None
             else plan
             for i, plan in enumerate(plans)
