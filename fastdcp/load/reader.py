@@ -66,10 +66,11 @@ from ..io.checkpoint_files import (
 from ..io.engine import IoOptions, env_flag, get_engine
 from ..io.gc import gc_paused
 from ..io.read_mode import ReadMode, read_mode_for, record_read
-from .deadline import DEADLINE_FROM_ENV, END, START, LoadCheckIns, begin_load, reading_files_status, \
-    resolve_load_deadline, stall_point
+from .deadline import DEADLINE_FROM_ENV, END, START, LoadCheckIns, LoadDeadlineError, begin_load, \
+    reading_files_status, resolve_load_deadline, stall_point
 from .header_pass import KnownBlobs, Window, parse_blob, read_windows, window_bytes
 from .metadata_cache import metadata_cache
+from .read_once import ReadOnceShare, ReplicaGroup, ReplicaKey, replica_groups, replica_key
 from .sectioned_metadata import SectionedTableMetadata, SectionStorageData
 from .pieces import Placement, plan_placement
 from .placement import run_placements
@@ -90,9 +91,12 @@ _PIN_FILES_LIMIT = 1024
 @dataclasses.dataclass(frozen=True)
 class _SaveIdentity:
     """A rank's local load plan carries the save its metadata came from (``StorageMeta.save_id``;
-    None for checkpoints that record none)."""
+    None for checkpoints that record none) and, for a read-once load, its replica key; the global
+    plan hands back the rank's replica group (``fastdcp.load.read_once``)."""
 
     save_id: str | None
+    replica: ReplicaKey | None = None
+    group: ReplicaGroup | None = None
 
 
 class ConcurrentOverwriteError(RuntimeError):
@@ -149,6 +153,13 @@ class FastFileSystemReader(FileSystemReader):
             load on only some of the ranks (``dcp.load(process_group=...)`` over a subset, or
             ``no_dist=True``), or a ``read_metadata()`` of one's own on some ranks, needs
             ``load_deadline_s=None``.
+        read_once: ranks whose load plans are the same (data-parallel replicas) split the reads
+            and send each other what they read over the default process group, so each stored
+            byte of a replicated shard is read once per job (default False; environment
+            ``FASTDCP_READ_ONCE``; :mod:`fastdcp.load.read_once`). Ranks with different plans read
+            as without it. Every rank of a group waits at most ``load_deadline_s`` (else 30
+            minutes) for the others; a rank that fails its reads fails the load on its group.
+            ``last_stats`` says what this rank read and received.
     """
 
     @renamed_arguments(READER_RENAMES)
@@ -164,6 +175,7 @@ class FastFileSystemReader(FileSystemReader):
         allow_unsafe_metadata: bool = False,
         verify_checksums: bool | None = None,
         load_deadline_s: float | None = DEADLINE_FROM_ENV,
+        read_once: bool | None = None,
     ) -> None:
         if _extension_registry is not None and "_extension_registry" not in _STOCK_INIT_PARAMS:
             raise TypeError("this torch's FileSystemReader does not support _extension_registry")
@@ -186,6 +198,8 @@ class FastFileSystemReader(FileSystemReader):
         self.allow_unsafe_metadata = bool(allow_unsafe_metadata)
         env_verify = env_flag("FASTDCP_VERIFY_CHECKSUMS")
         self.verify_checksums = bool(verify_checksums if verify_checksums is not None else (env_verify or False))
+        env_read_once = env_flag("FASTDCP_READ_ONCE")
+        self.read_once = bool(read_once if read_once is not None else (env_read_once or False))
         self._extents: tuple[Any, Mapping] | None = None  # (storage_data, file_extents(storage_data))
         # The load set up last's state_dict_metadata (for a TableMetadata, its entry views: a
         # lookup builds one entry, and its chunks one at a time).
@@ -203,14 +217,34 @@ class FastFileSystemReader(FileSystemReader):
     @timed("read")
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """This rank's reads. With the load's check-ins (see :meth:`read_metadata`), its status
-        names the files it reads, and after its reads (also failed ones) it waits for every rank."""
+        names the files it reads, and after its reads (also failed ones) it waits for every rank.
+        In a read-once replica group it reads its share, then exchanges the rest with the group."""
         check_ins, self._check_ins = self._check_ins, None
-        if check_ins is None:
-            return self._read_data(plan, planner, None)
+        identity = plan.storage_data
+        share = None
+        if isinstance(identity, _SaveIdentity) and identity.group is not None:
+            share = ReadOnceShare.deal(list(plan.items), planner, identity.group, timeout_s=self.load_deadline_s)
+            plan = dataclasses.replace(plan, items=share.own_items)
+            self.last_stats = {}  # a member may own no item: no read fills it
+        error: BaseException | None = None
         try:
-            return self._read_data(plan, planner, check_ins)
-        finally:
-            check_ins.check_in(END)  # every rank finished reading (raises past the deadline)
+            try:
+                result = self._read_data(plan, planner, check_ins)
+            finally:
+                if check_ins is not None:
+                    check_ins.check_in(END)  # every rank finished reading (raises past the deadline)
+        except LoadDeadlineError:
+            raise  # the same verdict on every rank: nobody exchanges
+        except BaseException as e:
+            if share is None:
+                raise
+            error = e
+        if share is not None:
+            stats = self.last_stats if error is None else {}
+            share.finish(planner, error)
+            stats.update(read_once_replicas=len(share.group.members), read_once_read_bytes=share.read_bytes,
+                         read_once_received_bytes=share.received_bytes)
+        return result
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner, check_ins: LoadCheckIns | None) -> Future[None]:
         self.last_read_mode = None  # set by the native reads, if this load has any
@@ -263,8 +297,10 @@ class FastFileSystemReader(FileSystemReader):
         plan = super().prepare_local_plan(plan)
         if plan.storage_data is not None:
             return plan  # a planner's own use of the field
-        # Which save this rank's metadata came from, for the coordinator's check below.
-        return dataclasses.replace(plan, storage_data=_SaveIdentity(self._save_id()))
+        # Which save this rank's metadata came from, for the coordinator's check below (and, for a
+        # read-once load, what the coordinator groups replicas by).
+        replica = replica_key(list(plan.items)) if self.read_once else None
+        return dataclasses.replace(plan, storage_data=_SaveIdentity(self._save_id(), replica))
 
     @timed("plan")
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -276,6 +312,11 @@ class FastFileSystemReader(FileSystemReader):
                 f"the ranks of this load read different saves of '{self.path}' ({len(seen)} save ids): a "
                 "concurrent save replaced the checkpoint while the load started. Nothing was loaded; load again"
             )
+        keys = [p.storage_data.replica if isinstance(p.storage_data, _SaveIdentity) else None for p in plans]
+        if any(key is not None for key in keys):
+            groups = replica_groups(keys)
+            plans = [dataclasses.replace(p, storage_data=dataclasses.replace(p.storage_data, replica=None, group=g))
+                     if isinstance(p.storage_data, _SaveIdentity) else p for p, g in zip(plans, groups)]
         return plans
 
     def _save_id(self) -> str | None:
