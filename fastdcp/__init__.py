@@ -61,6 +61,7 @@ if _C is not None:  # noqa: E402 - the public API, once the extension is there
     from .objstore.lazy import open_any as open  # noqa: A001,E402 - fastdcp.open(path or s3:// URL), like safe_open
     from .load.deadline import LoadDeadlineError  # noqa: E402
     from .load.reader import ConcurrentOverwriteError, FastFileSystemReader  # noqa: E402
+    from .load.read_once import ReadOnceError  # noqa: E402
     from .planners import FastLoadPlanner, FastSavePlanner, clear_plan_caches  # noqa: E402
     from .save.async_staging import StagingFuture, StagingReport, wait_for_staging  # noqa: E402
     from .save.guard import StagingGuard, guard  # noqa: E402
@@ -103,6 +104,7 @@ __all__ = [
     "ChecksumError",
     "ConcurrentSaveError",
     "ConcurrentOverwriteError",
+    "ReadOnceError",
     "LoadDeadlineError",
     "add_safe_metadata_globals",
     "set_staging_pool_limit",

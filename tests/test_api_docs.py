@@ -374,11 +374,11 @@ warm_up(state_dict=None, *, ring_bytes=256 << 20, load_bytes=512 << 20)
 ```text
 FastFileSystemReader(path, _extension_registry=None, *, direct_io=None, io_threads=None, task_bytes=None,
                      read_buffer_limit_bytes=None, allow_unsafe_metadata=False, verify_checksums=None,
-                     load_deadline_s=FROM_ENV)
+                     load_deadline_s=FROM_ENV, read_once=None)
 ```
 
 `path`, `_extension_registry`, `direct_io`, `io_threads`, `task_bytes`, `read_buffer_limit_bytes`,
-`allow_unsafe_metadata`, `verify_checksums`, `load_deadline_s`.
+`allow_unsafe_metadata`, `verify_checksums`, `load_deadline_s`, `read_once`.
 
 ## Exceptions and warnings
 
@@ -421,7 +421,7 @@ def test_the_checks_pass_a_good_sample():
     (_GOOD.replace("ring_bytes=256 << 20", "ring_bytes=128 << 20"), "warm_up"),         # a wrong default
     (_GOOD.replace(", *, ring_bytes", ", ring_bytes"), "warm_up"),                        # keyword-only lost
     (_GOOD.replace("| `load_bytes` | 512 MiB |\n", ""), "warm_up"),                       # an argument unexplained
-    (_GOOD.replace("load_deadline_s=FROM_ENV)", "load_deadline_s=None)"), "FastFileSystemReader"),  # a sentinel as None
+    (_GOOD.replace("load_deadline_s=FROM_ENV,", "load_deadline_s=None,"), "FastFileSystemReader"),  # a sentinel as None
     (_GOOD.replace(" verify_checksums=None,\n", "\n"), "FastFileSystemReader"),           # a parameter left out
     (_GOOD.replace("`pinned_bytes`, ", ""), "WarmUpReport"),                              # a dataclass field left out
     (_GOOD.replace("### `WarmUpReport`", "### WarmUpReport"), "WarmUpReport"),           # not a name heading

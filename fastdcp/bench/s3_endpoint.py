@@ -88,14 +88,16 @@ def default_server() -> str:
 class S3Endpoint:
     """An S3 server (``server``: ``seaweedfs`` or ``moto``, default :func:`default_server`) and the
     proxy in front of it. ``endpoint`` is the proxy's URL (what clients use); ``delay_ms`` its one-way
-    delay (a round trip costs twice that)."""
+    delay (a round trip costs twice that); ``rate_mib_s`` the bandwidth it passes, all connections
+    and both directions together (0: unlimited)."""
 
     def __init__(self, delay_ms: float = 0.0, workdir: str | os.PathLike | None = None,
-                 server_env: dict[str, str] | None = None, server: str | None = None):
+                 server_env: dict[str, str] | None = None, server: str | None = None, rate_mib_s: float = 0.0):
         self.server_name = server or default_server()
         if self.server_name not in SERVERS:
             raise ValueError(f"S3Endpoint(server={server!r}): use one of {', '.join(SERVERS)}")
         self.delay_ms = float(delay_ms)
+        self.rate_mib_s = float(rate_mib_s)  # the proxy's bandwidth, all connections together (0: none)
         # e.g. INITIAL_NO_AUTH_ACTION_COUNT=0: moto then checks credentials (unknown keys get 403)
         self.server_env = dict(server_env or {})
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="fastdcp_s3_"))
@@ -209,7 +211,8 @@ class S3Endpoint:
         log = self.workdir / "proxy.log"
         self.proxy = subprocess.Popen(
             [sys.executable, "-m", "fastdcp.bench.s3_proxy", "--listen", f"127.0.0.1:{self.proxy_port}",
-             "--upstream", f"127.0.0.1:{self.server_port}", "--delay-ms", str(self.delay_ms)],
+             "--upstream", f"127.0.0.1:{self.server_port}", "--delay-ms", str(self.delay_ms),
+             "--rate-mib-s", str(self.rate_mib_s)],
             stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         _wait_listening(self.proxy_port, self.proxy, log, "the S3 proxy")

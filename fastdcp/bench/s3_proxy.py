@@ -6,6 +6,9 @@ It forwards every connection to the server and, on the way:
   as across a network, without limiting bandwidth: each chunk is released ``delay`` after it
   arrived. This kernel has no ``netem`` qdisc (``tc qdisc add ... netem`` answers "unknown"), so
   the latency is injected here, in user space, on loopback;
+* with ``--rate-mib-s``, limits the bytes it passes, both directions and every connection
+  together, to that rate: a storage link of fixed bandwidth shared by every client (the
+  ``read_once`` scenario's "all ranks share the storage");
 * classifies every request by its S3 operation (PUT, PUT_PART, CREATE_MULTIPART,
   COMPLETE_MULTIPART, ABORT_MULTIPART, GET, HEAD, LIST, COPY, DELETE, ...) from its request line
   and headers, and counts them;
@@ -71,6 +74,7 @@ class _State:
         self.bytes_down = 0
         self.faults: list[list] = []  # [op, remaining, status]
         self.started = time.time()
+        self.rate = _Rate(0.0)
 
     def take_fault(self, op: str) -> int | None:
         for fault in self.faults:
@@ -78,6 +82,22 @@ class _State:
                 fault[1] -= 1
                 return fault[2]
         return None
+
+
+class _Rate:
+    """A fixed rate shared by every connection: each chunk reserves its time on the link."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.free_at = time.monotonic()
+
+    async def take(self, nbytes: int) -> None:
+        if self.bytes_per_s <= 0:
+            return
+        now = time.monotonic()
+        self.free_at = max(now, self.free_at) + nbytes / self.bytes_per_s
+        if self.free_at > now:
+            await asyncio.sleep(self.free_at - now)
 
 
 class _Delayed:
@@ -216,6 +236,7 @@ async def _handle(client_reader, client_writer, upstream: tuple[str, int], delay
                         if not data:
                             break
                         state.bytes_down += len(data)
+                        await state.rate.take(len(data))
                         to_client.send(data)
                     to_client.send(None)
 
@@ -223,6 +244,7 @@ async def _handle(client_reader, client_writer, upstream: tuple[str, int], delay
             to_server.send(head)
             async for data in _body(client_reader, headers):
                 state.bytes_up += len(data)
+                await state.rate.take(len(data))
                 to_server.send(data)
     except (ConnectionError, asyncio.IncompleteReadError, ValueError, OSError):
         pass
@@ -246,8 +268,9 @@ async def _handle(client_reader, client_writer, upstream: tuple[str, int], delay
             pass
 
 
-async def _serve(listen: tuple[str, int], upstream: tuple[str, int], delay: float) -> None:
+async def _serve(listen: tuple[str, int], upstream: tuple[str, int], delay: float, rate_bytes_s: float = 0.0) -> None:
     state = _State()
+    state.rate = _Rate(rate_bytes_s)
     server = await asyncio.start_server(lambda r, w: _handle(r, w, upstream, delay, state), *listen,
                                         limit=1 << 20)
     print(f"listening on {listen[0]}:{server.sockets[0].getsockname()[1]}", flush=True)
@@ -260,10 +283,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0", help="host:port to listen on (port 0: any free port)")
     parser.add_argument("--upstream", required=True, help="host:port of the S3 server")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added to each direction")
+    parser.add_argument("--rate-mib-s", type=float, default=0.0,
+                        help="the most MiB/s passed, both directions and all connections together (0: no limit)")
     args = parser.parse_args(argv)
     host, port = args.listen.rsplit(":", 1)
     up_host, up_port = args.upstream.rsplit(":", 1)
-    asyncio.run(_serve((host, int(port)), (up_host, int(up_port)), args.delay_ms / 1000.0))
+    asyncio.run(_serve((host, int(port)), (up_host, int(up_port)), args.delay_ms / 1000.0, args.rate_mib_s * (1 << 20)))
 
 
 if __name__ == "__main__":
