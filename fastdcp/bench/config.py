@@ -16,7 +16,7 @@ from .systems import ASYNC_VARIANT_NAMES, SYSTEM_NAMES, standin_requested
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "async_first", "train_loop",
-                 "tiered", "concurrency", "convert", "plan_scale", "s3")
+                 "tiered", "concurrency", "convert", "plan_scale", "s3", "read_once")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async", "gpu_async_new_writer")
 # In no default list: the box copy alone (GPU kernel, or the CPU engine where there is no GPU).
 EXTRA_SCENARIOS = ("box_copy",)
@@ -92,6 +92,9 @@ class BenchConfig:
     plan_workers: int = field(default_factory=lambda: os.cpu_count() or 1)  # plan_scale: unmeasured ranks' processes
     s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
     s3_size: int = 1 * GiB                  # s3: state size (moto takes ~0.1 GiB/s: 1 GiB is ~25 min)
+    read_once_size: int = 128 * MiB         # read_once: state size
+    read_once_rate_mib_s: float = 100.0     # read_once: the storage's bandwidth, shared by every rank
+    read_once_replicas: tuple[int, ...] = (1, 2, 4)  # read_once: replica counts R (2 x R ranks)
     probe_bytes: int = 1 * GiB
     probe_configs: list[tuple[int, int]] = field(
         default_factory=lambda: [(1 * MiB, 1), (1 * MiB, 4), (8 * MiB, 1), (8 * MiB, 4)])
@@ -207,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "they run; default the CPU count)")
     p.add_argument("--s3-size", type=parse_size,
                    help="s3: state size (default the smaller of --size and 1GiB: the test server takes ~0.1 GiB/s)")
+    p.add_argument("--read-once-size", type=parse_size,
+                   help="read_once: state size (default the smaller of --size and 128MiB)")
+    p.add_argument("--read-once-rate-mib-s", type=float,
+                   help="read_once: the storage bandwidth all ranks share, MiB/s (default 100)")
+    p.add_argument("--read-once-replicas", type=str,
+                   help="read_once: comma list of replica counts R, each run on 2 x R ranks (default 1,2,4)")
     p.add_argument("--s3-delay-ms", type=float,
                    help="s3: one-way delay the proxy adds in the scenario's second run (default 10: a 20 ms "
                         "round trip)")
@@ -253,6 +262,19 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.size = a.size
     c.reshard_size = a.reshard_size if a.reshard_size else (c.size // 4 if a.quick else c.size)
     c.s3_size = a.s3_size if a.s3_size else min(c.size, 1 * GiB)
+    c.read_once_size = a.read_once_size if a.read_once_size else min(c.size, 128 * MiB)
+    if a.read_once_rate_mib_s is not None:
+        if a.read_once_rate_mib_s <= 0:
+            parser.error("--read-once-rate-mib-s must be > 0")
+        c.read_once_rate_mib_s = a.read_once_rate_mib_s
+    if a.read_once_replicas:
+        try:
+            replicas = tuple(int(x) for x in a.read_once_replicas.split(",") if x.strip())
+        except ValueError:
+            replicas = ()
+        if not replicas or any(r < 1 for r in replicas):
+            parser.error("--read-once-replicas must be a comma list of positive integers")
+        c.read_once_replicas = replicas
     c.small_large_bytes = max(64 * KiB, min(64 * MiB, c.size // 16))
     c.probe_bytes = max(64 * MiB, min(c.probe_bytes, max(c.size, 256 * MiB)))
     c.memcpy_bytes = max(16 * MiB, min(c.memcpy_bytes, c.size))

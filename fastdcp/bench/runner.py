@@ -26,6 +26,7 @@ from .results import Recorder, finalize
 from .concurrency import run_concurrency
 from .convert import run_convert
 from .object_storage import run_s3
+from .read_once import run_read_once
 from .plan_scale import run_plan_scale
 from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
@@ -39,12 +40,12 @@ from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_FASTDCP = 0, 2, 4  # EXIT_VERIFY (3): .state
 SHM = "/dev/shm"
-_NO_LOCAL_STORAGE = frozenset({"s3", "plan_scale", "box_copy"})
+_NO_LOCAL_STORAGE = frozenset({"s3", "read_once", "plan_scale", "box_copy"})
 
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.
 SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
                     "convert": run_convert, "plan_scale": run_plan_scale, "box_copy": run_box_copy,
-                    "s3": run_s3, "tiered": run_tiered}
+                    "s3": run_s3, "read_once": run_read_once, "tiered": run_tiered}
 
 
 def _banner(lines: list[str]) -> None:

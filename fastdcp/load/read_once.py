@@ -12,10 +12,11 @@ How:
    :class:`ReplicaGroup` in the global plan: no extra collective, and a load with one plan
    (``no_dist``) or plans that all differ (pure sharding, most resharded loads) reads as without
    the mode.
-2. **Split.** In a group of ``R`` ranks the tensor items are dealt out largest first, each to the
-   member with the fewest bytes so far (ties: the lower member; :func:`deal_items`), the same on
-   every member; byte items (small, not tensors) are read by every member. A member reads only its
-   own items, through the usual read path, straight into its destination tensors.
+2. **Split.** In a group of ``R`` ranks the tensor items, in storage order (file, offset), are cut
+   into ``R`` runs of about equal bytes, one per member (:func:`deal_items`), the same on every
+   member, so a member's reads stay together in the files; byte items (small, not tensors) are
+   read by every member. A member reads only its own items, through the usual read path,
+   straight into its destination tensors.
 3. **Status.** After its reads every member writes its status (ok, or its error) to the default
    group's key-value store and waits for the other members' (at most ``timeout_s``): if a member
    failed, every member fails naming it and its error; no rank waits for bytes that will not come.
@@ -119,14 +120,19 @@ def replica_groups(keys: list[ReplicaKey | None]) -> list[ReplicaGroup | None]:
 
 
 def deal_items(sizes: list[int], members: int) -> list[int]:
-    """The member (0 .. members-1) that reads each item: largest first, to the member with the
-    fewest bytes so far (ties: the lower member, then the earlier item)."""
+    """The member (0 .. members-1) that reads each item, the items given in storage order: each
+    member a run of consecutive items of about ``1/members`` of the bytes (a member's reads stay
+    together in the files, so none fetches bytes between them that another member reads). A
+    member takes the next item while the bytes dealt so far are at most its share's end."""
     owners = [0] * len(sizes)
-    load = [0] * members
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        member = min(range(members), key=lambda m: (load[m], m))
+    total = sum(sizes)
+    dealt = 0
+    member = 0
+    for i, size in enumerate(sizes):
+        while member < members - 1 and dealt + size / 2 > total * (member + 1) / members:
+            member += 1
         owners[i] = member
-        load[member] += sizes[i]
+        dealt += size
     return owners
 
 
@@ -155,7 +161,7 @@ class ReadOnceShare:
         group: the replica group the coordinator handed this rank.
         rank: this rank in the default group.
         own_items: the items this rank reads itself.
-        shared: the group's tensor items with their owners, in plan order.
+        shared: the group's tensor items with their owners, in storage order.
         budget_bytes: staging of one exchange round; timeout_s: the longest wait.
     """
 
@@ -167,11 +173,13 @@ class ReadOnceShare:
     timeout_s: float = DEFAULT_EXCHANGE_TIMEOUT_S
 
     @classmethod
-    def deal(cls, items: list[ReadItem], planner: LoadPlanner, group: ReplicaGroup, *,
+    def deal(cls, items: list[ReadItem], planner: LoadPlanner, group: ReplicaGroup, where: Any, *,
              budget_bytes: int = DEFAULT_EXCHANGE_BYTES, timeout_s: float | None = None) -> "ReadOnceShare":
-        """This rank's share of ``items`` (the plan every member of ``group`` has)."""
+        """This rank's share of ``items`` (the plan every member of ``group`` has); ``where(item)``
+        gives an item's place in storage (file, offset) to deal the items in storage order."""
         rank = dist.get_rank()
-        tensor_items = [i for i, item in enumerate(items) if item.type != LoadItemType.BYTE_IO]
+        tensor_items = sorted((i for i, item in enumerate(items) if item.type != LoadItemType.BYTE_IO),
+                              key=lambda i: (where(items[i]), i))
         sizes = []
         for i in tensor_items:
             target = planner.resolve_tensor(items[i])

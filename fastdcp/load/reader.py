@@ -223,7 +223,14 @@ class FastFileSystemReader(FileSystemReader):
         identity = plan.storage_data
         share = None
         if isinstance(identity, _SaveIdentity) and identity.group is not None:
-            share = ReadOnceShare.deal(list(plan.items), planner, identity.group, timeout_s=self.load_deadline_s)
+            storage_data = self.storage_data
+
+            def where(item: ReadItem) -> tuple[str, int]:
+                info = storage_data[item.storage_index]
+                return (info.relative_path, info.offset)
+
+            share = ReadOnceShare.deal(list(plan.items), planner, identity.group, where,
+                                       timeout_s=self.load_deadline_s)
             plan = dataclasses.replace(plan, items=share.own_items)
             self.last_stats = {}  # a member may own no item: no read fills it
         error: BaseException | None = None

@@ -33,7 +33,8 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
 
     ``s3_options``: :class:`~fastdcp.objstore.client.S3Options` (endpoint, credentials, retries,
     request size, requests in flight); unset, the usual ``AWS_*`` environment.
-    ``read_buffer_limit_bytes``, ``allow_unsafe_metadata``, ``verify_checksums``, ``load_deadline_s``: as
+    ``read_buffer_limit_bytes``, ``allow_unsafe_metadata``, ``verify_checksums``, ``load_deadline_s``,
+    ``read_once``: as
     :class:`fastdcp.FastFileSystemReader`. ``last_stats`` counts the GET requests and bytes
     fetched by the last load (``object_requests``, ``object_bytes``)."""
 
@@ -48,6 +49,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
         allow_unsafe_metadata: bool = False,
         verify_checksums: bool | None = None,
         load_deadline_s: float | None = DEADLINE_FROM_ENV,
+        read_once: bool | None = None,
     ) -> None:
         self.location = ObjectLocation.parse(path)
         super().__init__(
@@ -58,6 +60,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
             allow_unsafe_metadata=allow_unsafe_metadata,
             verify_checksums=verify_checksums,
             load_deadline_s=load_deadline_s,
+            read_once=read_once,
         )
         self._settle(self.location, s3_options)
         self._engine: ObjectReadEngine | None = None

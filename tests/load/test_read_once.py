@@ -119,14 +119,17 @@ def test_a_rank_whose_reads_fail_fails_the_load_on_every_rank_naming_it(tmp_path
     assert "the disk under rank 2 went away" in results[0]["error"]
 
 
-def test_groups_are_ranks_with_equal_plans_and_items_go_largest_first_to_the_least_loaded():
+def test_groups_are_ranks_with_equal_plans_and_members_read_runs_of_equal_bytes():
     a, b = b"a" * 16, b"b" * 16
     groups = replica_groups([ReplicaKey(a, 0), ReplicaKey(b, 1), ReplicaKey(a, 2), ReplicaKey(b, 3), None,
                              ReplicaKey(b"c" * 16, 5)])
     assert groups[0].members == (0, 2) and groups[2] is groups[0]
     assert groups[1].members == (1, 3) and groups[1].token != groups[0].token
     assert groups[4] is None and groups[5] is None  # no key, or alone with its plan
-    assert deal_items([5, 9, 1, 9, 4], 2) == [0, 0, 1, 1, 1]  # 9, 9, 5, 4, 1 -> 0, 1, 0, 1, 1
+    assert deal_items([5, 9, 1, 9, 4], 2) == [0, 0, 1, 1, 1]  # 14 | 14
+    assert deal_items([1] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert deal_items([100, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert deal_items([1, 1], 4) == [0, 2]  # fewer items than members: some read nothing
     assert deal_items([], 3) == []
 
 
