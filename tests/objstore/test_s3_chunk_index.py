@@ -137,7 +137,7 @@ def test_overwrite_false_refused_at_the_commit_deletes_its_index_too(bucket, s3,
     _load(url, first)
 
 
-@pytest.mark.parametrize("how", ["missing", "damaged", "another save's"])
+@pytest.mark.parametrize("how", ["missing", "damaged", "another save's", "outside the prefix"])
 def test_an_unusable_index_falls_back_to_metadata_as_on_local_disk(bucket, s3, how):
     url, sd = f"s3://{bucket}/fb", _state(3)
     _save(url, sd)
@@ -146,6 +146,11 @@ def test_an_unusable_index_falls_back_to_metadata_as_on_local_disk(bucket, s3, h
         s3.delete_object(Bucket=bucket, Key=key)
     elif how == "damaged":
         s3.put_object(Bucket=bucket, Key=key, Body=flipped(_object(s3, bucket, key), CI._HEADER_SIZE + 3))
+    elif how == "outside the prefix":  # .metadata names "x/..." (same length: the pickle stays whole)
+        name = key.removeprefix("fb/")
+        metadata = _object(s3, bucket, "fb/.metadata").replace(name.encode(), f"x/{name[2:]}".encode(), 1)
+        s3.put_object(Bucket=bucket, Key="fb/.metadata", Body=metadata)
+        key = f"x/{name[2:]}"
     else:
         _save(f"s3://{bucket}/other", _state(4))
         other = _object(s3, bucket, f"other/{index_name(s3, bucket, 'other')}")
@@ -156,7 +161,8 @@ def test_an_unusable_index_falls_back_to_metadata_as_on_local_disk(bucket, s3, h
         reader = _load(url, sd)
     assert not isinstance(reader._metadata_read, TableMetadata)  # .metadata parsed
     expected = {"missing": None, "damaged": "ignoring a damaged chunk index",
-                "another save's": "it was written for another .metadata"}[how]
+                "another save's": "it was written for another .metadata",
+                "outside the prefix": "is not an object directly under"}[how]
     if expected is None:
         assert not warned, warned  # quietly, as on local disk
     else:
