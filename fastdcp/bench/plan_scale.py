@@ -974,9 +974,10 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
 def run_plan_scale(ctx: Any, wheres: list[str]) -> None:
     """The `plan_scale` scenario: for each N of ``--plan-ranks`` (ascending), stock then fastdcp,
     each simulated in full (:class:`PlanScaleSimulation`) into a directory of their own on
-    /dev/shm when it has room; one Recorder row per (system, N, phase, side, step) with one sample
-    per measured rank, an info row per (system, N), a row per check. Raises VerificationError at
-    the end when a check failed."""
+    /dev/shm when it has room (``--plan-storage s3``: fastdcp alone, into a bucket of a local S3
+    server started for the run); one Recorder row per (system, N, phase, side, step) with one
+    sample per measured rank, an info row per (system, N), a row per check. Raises
+    VerificationError at the end when a check failed."""
     systems = _systems(ctx)
     if not systems:
         ctx.note(f"{SCENARIO}: no system to measure (it runs stock and fastdcp)")
@@ -1018,6 +1019,8 @@ def _start_object_store(ctx: Any, stack: contextlib.ExitStack) -> str | None:
 
 
 def _run_plan_scale(ctx: Any, wheres: list[str], systems: list[PlanSystem], bucket: str | None) -> None:
+    """:func:`run_plan_scale`'s simulations, recorded; ``bucket``: where systems on object
+    storage put their checkpoints (recorded as ``where=s3``)."""
     failed: list[str] = []
     for n in sorted(set(ctx.cfg.plan_ranks)):
         where, root = _target(ctx, wheres, n, len(systems))

@@ -263,7 +263,11 @@ def metadata_from_index(metadata: PositionalSource, open_index: Callable[[str], 
         except (CheckpointFormatError, OSError) as e:
             _unusable(where, e, "reading the metadata itself")
             return None
-        size, head_crc, tail_crc = source_metadata_facts(metadata, header.edge_bytes, head)
+        try:
+            size, head_crc, tail_crc = source_metadata_facts(metadata, header.edge_bytes, head)
+        except CheckpointFormatError as e:  # shorter than its size: truncated while it was read
+            logger.warning("ignoring %s: %s; reading the metadata itself", where, e)
+            return None
         if (header.metadata_size, header.metadata_head_crc, header.metadata_tail_crc) != (size, head_crc, tail_crc):
             logger.warning(
                 "ignoring %s: it was written for another .metadata (size %d, CRC-32C %#010x/%#010x; '%s' has %d "

@@ -12,10 +12,10 @@ share a name), PUT before ``.metadata``, which names it in its first bytes and s
 stock pickle. ``FastS3Reader`` reads the index (a rank its own section) by ranged GETs.
 
 After the commit, the objects that only the replaced ``.metadata`` named are deleted, its chunk
-index with them (found by reading that metadata before the PUT: one GET, no LIST). A load that started on the replaced
-checkpoint and is still reading then fails with an error naming the missing object instead of
-mixing two checkpoints (object names are save-unique, so it can never read the new save's bytes
-in the old one's place).
+index with them (found by reading that metadata before the PUT: one GET, no LIST). A load that
+started on the replaced checkpoint and is still reading then fails with an error naming the
+missing object instead of mixing two checkpoints (object names are save-unique, so it can never
+read the new save's bytes in the old one's place).
 """
 
 from __future__ import annotations
@@ -97,9 +97,11 @@ def chunk_index_name(metadata: Metadata) -> str | None:
     return name if plain_object_name(name) else None
 
 
-def metadata_objects(metadata: Metadata, name: str, token: str | None) -> tuple[bytes, tuple[str, bytes] | None]:
+def metadata_objects(metadata: Metadata, name: str, token: str | None
+                     ) -> tuple[bytes | memoryview, tuple[str, memoryview] | None]:
     """The objects a commit PUTs: the ``.metadata`` object's bytes, and (a save planned in bulk,
-    with its ``token``) the chunk index's name and bytes. As on local disk
+    with its ``token``) the chunk index's name and bytes (views of the buffers they were written
+    into: hundreds of MB at thousands of ranks, not copied again). As on local disk
     (:mod:`fastdcp.save.commit`): ``.metadata`` streamed from the chunk table names the index
     ``{name}.{token}.index`` in its first bytes, and the index records the ``.metadata``'s size
     and the CRC-32C of its two ends, so a reader can tell that it belongs to that ``.metadata``.
@@ -120,7 +122,7 @@ def metadata_objects(metadata: Metadata, name: str, token: str | None) -> tuple[
         size, head_crc, tail_crc = metadata_facts(out, edge_bytes_for(table))
         write_chunk_index(index, table, metadata_size=size, metadata_head_crc=head_crc, metadata_tail_crc=tail_crc,
                           **facts)
-    return out.getvalue(), (index_name, index.getvalue())
+    return out.getbuffer(), (index_name, index.getbuffer())
 
 
 def metadata_bytes(metadata: Metadata) -> bytes:

@@ -429,8 +429,8 @@ def test_on_object_storage_fastdcp_alone_is_simulated_with_its_s3_classes():
     from fastdcp.bench.plan_scale import _systems
 
     notes: list[str] = []
-    ctx = SimpleNamespace(cfg=config_from_args(["--plan-storage", "s3"]), note=notes.append,
-                          systems=[SimpleNamespace(name="stock", standin=False), SimpleNamespace(name="fastdcp", standin=False)])
+    systems = [SimpleNamespace(name=name, standin=False) for name in ("stock", "fastdcp")]
+    ctx = SimpleNamespace(cfg=config_from_args(["--plan-storage", "s3"]), note=notes.append, systems=systems)
     (system,) = _systems(ctx)
     assert system.name == "fastdcp" and system.object_storage
     assert system.writer is FastS3Writer and system.reader is FastS3Reader
@@ -450,8 +450,9 @@ def test_plan_scale_options():
     c = config_from_args(["--plan-workers", "3", "--plan-all-load-ranks", "64"])
     assert c.plan_workers == 3 and c.plan_all_load_ranks == 64
     assert config_from_args([]).plan_all_load_ranks == 4096 and config_from_args([]).plan_workers >= 1
-    assert config_from_args([]).plan_storage == "local" and config_from_args(["--plan-storage", "s3"]).plan_storage == "s3"
-    for bad in (["--plan-ranks", "1,4"], ["--plan-budget", "-1"], ["--plan-workers", "0"], ["--plan-all-load-ranks", "0"],
-                ["--plan-storage", "gcs"]):
+    assert config_from_args([]).plan_storage == "local"
+    assert config_from_args(["--plan-storage", "s3"]).plan_storage == "s3"
+    for bad in (["--plan-ranks", "1,4"], ["--plan-budget", "-1"], ["--plan-workers", "0"],
+                ["--plan-all-load-ranks", "0"], ["--plan-storage", "gcs"]):
         with pytest.raises(SystemExit):
             config_from_args(bad)
