@@ -90,6 +90,7 @@ class BenchConfig:
     plan_systems: list[str] | None = None   # plan_scale: which of stock, fastdcp (None: both)
     plan_all_load_ranks: int = 4096         # plan_scale: above this N, only the sample ranks' loads
     plan_workers: int = field(default_factory=lambda: os.cpu_count() or 1)  # plan_scale: unmeasured ranks' processes
+    plan_storage: str = "local"             # plan_scale: where the checkpoints go: local (a directory) or s3
     s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
     s3_size: int = 1 * GiB                  # s3: state size (moto takes ~0.1 GiB/s: 1 GiB is ~25 min)
     read_once_size: int = 128 * MiB         # read_once: state size
@@ -208,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-workers", type=int,
                    help="plan_scale: processes that play the unmeasured ranks (untimed; nothing is measured while "
                         "they run; default the CPU count)")
+    p.add_argument("--plan-storage", choices=("local", "s3"),
+                   help="plan_scale: where the simulated job's checkpoint goes: local (a directory, default) or s3 "
+                        "(fastdcp alone, FastS3Writer/FastS3Reader on a local S3 server: what a resuming rank "
+                        "fetches by ranged GETs)")
     p.add_argument("--s3-size", type=parse_size,
                    help="s3: state size (default the smaller of --size and 1GiB: the test server takes ~0.1 GiB/s)")
     p.add_argument("--read-once-size", type=parse_size,
@@ -369,6 +374,8 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
             if value < 1:
                 parser.error(f"{flag} must be >= 1")
             setattr(c, name, value)
+    if a.plan_storage is not None:
+        c.plan_storage = a.plan_storage
     if a.plan_budget is not None:
         if a.plan_budget < 0:
             parser.error("--plan-budget must be >= 0")

@@ -29,6 +29,12 @@ rank, ``pickle.loads`` of all N on the coordinator; ``scatter_object_list`` the 
 Systems: ``stock`` (DefaultSavePlanner/DefaultLoadPlanner, FileSystemWriter/FileSystemReader) and
 ``fastdcp`` (FastSavePlanner/FastLoadPlanner, FastFileSystemWriter/FastFileSystemReader).
 
+Object storage (``--plan-storage s3``): fastdcp alone, with ``FastS3Writer`` / ``FastS3Reader`` on a
+local S3 server (SeaweedFS behind the counting proxy, :mod:`fastdcp.bench.s3_endpoint`): the
+coordinator's ``finish`` PUTs the chunk index and ``.metadata``, and each sample rank's own load
+fetches its metadata by ranged GETs (the bytes and requests are recorded). The data objects are
+not written (no step of the protocol reads them; the local run's data files are sparse).
+
 Separate processes: every simulated rank's steps run inside
 ``fastdcp.planners.plan_cache.simulated_process(state)``, so one rank's planner memory (plan
 caches, the plans it sent, pickled and unpickled blobs) never serves another. The coordinator
@@ -74,6 +80,7 @@ table, the growth exponents, the targets and the JSON.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -165,6 +172,8 @@ class PlanSystem:
     # _PackedItems, which cross the coordinator undecoded); the reference plans of unmeasured
     # ranks are packed the same way.
     pack_read_items: Callable[[list[Any]], Any] = list
+    # Whether its checkpoints live in object storage (an s3:// location; data objects not written).
+    object_storage: bool = False
 
 
 def stock_system() -> PlanSystem:
@@ -185,6 +194,19 @@ def fastdcp_system() -> PlanSystem:
         fastdcp.FastFileSystemReader, pack_write_results,
         {"planners": "FastSavePlanner / FastLoadPlanner", "storage": "FastFileSystemWriter / FastFileSystemReader"},
         pack_read_items=_PackedItems)
+
+
+def fastdcp_s3_system() -> PlanSystem:
+    """fastdcp's planners with its object storage classes (``--plan-storage s3``)."""
+    import fastdcp
+    from fastdcp.planners.plan_cache import _PackedItems
+    from fastdcp.save.results import pack_write_results
+
+    return PlanSystem(
+        "fastdcp", fastdcp.FastSavePlanner, fastdcp.FastLoadPlanner, fastdcp.FastS3Writer, fastdcp.FastS3Reader,
+        pack_write_results,
+        {"planners": "FastSavePlanner / FastLoadPlanner", "storage": "FastS3Writer / FastS3Reader (s3://)"},
+        pack_read_items=_PackedItems, object_storage=True)
 
 
 @dataclasses.dataclass
@@ -256,16 +278,21 @@ def _takes_kwargs(method: Callable[..., Any]) -> bool:
 
 class PlanScaleSimulation:
     """One system's save (first and repeat) and load (same sharding and N/2) at ``world_size``
-    simulated ranks, into ``directory`` (created; the caller removes it). :meth:`run` returns the
-    :class:`SimulationOutcome`. Precondition: no default process group exists."""
+    simulated ranks, into ``directory`` (created; the caller removes it), or for a system on object
+    storage under ``location`` (``s3://bucket/prefix``, the ``AWS_*`` environment pointing at its
+    server). :meth:`run` returns the :class:`SimulationOutcome`. Precondition: no default process
+    group exists."""
 
     def __init__(self, system: PlanSystem, world_size: int, directory: str, *, shape: ModelShape = LLAMA_7B,
                  build_budget_s: float = DEFAULT_BUILD_BUDGET_S,
                  exact_validation_max_ranks: int = EXACT_VALIDATION_MAX_RANKS,
                  all_load_plans_max_ranks: int = DEFAULT_ALL_LOAD_PLANS_MAX_RANKS, workers: int = 1,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, location: str | None = None) -> None:
         if world_size < 2:
             raise ValueError(f"plan_scale needs at least 2 ranks, got {world_size}")
+        if system.object_storage != (location is not None):
+            raise ValueError(f"plan_scale: the {system.name} system {'needs' if system.object_storage else 'takes no'} "
+                             "s3:// location")
         self.system = system
         self.world_size = world_size
         self.directory = directory
@@ -280,8 +307,10 @@ class PlanScaleSimulation:
         self.checks: list[Check] = []
         self.info: dict[str, Any] = {}
         self.load_plans: dict[tuple[str, int], list[Any]] = {}
-        self.checkpoint = os.path.join(directory, "save")
-        self.repeat_checkpoint = os.path.join(directory, "repeat")
+        self.local = location is None
+        where = directory if location is None else location
+        self.checkpoint = os.path.join(where, "save") if self.local else f"{where}/save"
+        self.repeat_checkpoint = os.path.join(where, "repeat") if self.local else f"{where}/repeat"
         self.blob_overhead = tensor_blob_overhead()
 
     # ------------------------------------------------------------------ measuring
@@ -435,7 +464,8 @@ class PlanScaleSimulation:
             self._repeat(ranks, states, repeat_blobs)
         finally:
             ranks.close()
-            shutil.rmtree(self.repeat_checkpoint, ignore_errors=True)
+            if self.local:
+                shutil.rmtree(self.repeat_checkpoint, ignore_errors=True)
         gc.collect()
 
     def _first_local_plans(self, ranks: SimulatedRanks, states: dict[int, Any]
@@ -460,13 +490,14 @@ class PlanScaleSimulation:
     def _rest_of_ranks(self, ranks: SimulatedRanks, states: dict[int, Any], kept: dict[int, tuple[Any, Any]],
                        sent: dict[int, Any], scattered: list[bytes]) -> tuple[list[bytes | None], list[bytes | None]]:
         """Every rank receives its global plan, finishes it and reports its writes (the files the
-        results name are created, sparse); the unmeasured ranks (:func:`_rest_of_rank`) also make
+        results name are created, sparse; not in object storage); the unmeasured ranks (:func:`_rest_of_rank`) also make
         their repeat's local plan (warm, as their process would). Returns the pickled write
         results and the unmeasured ranks' pickled repeat plans. ``scattered`` is consumed."""
         n = ranks.world_size
         result_blobs: list[bytes | None] = [None] * n
         repeat_blobs: list[bytes | None] = [None] * n
-        os.makedirs(self.checkpoint, exist_ok=True)
+        if self.local:
+            os.makedirs(self.checkpoint, exist_ok=True)
         for r in sorted(states):
             planner, _ = kept[r]
             with _simulated(states[r]):
@@ -477,14 +508,16 @@ class PlanScaleSimulation:
                 result_blobs[r] = self._step(
                     SAVE, RANK, RESULTS_SEND, lambda: pickle.dumps(self.system.pack_results(final, results)), rank=r)
             scattered[r] = b""  # received
-            create_sparse_files(self.checkpoint, lengths)
+            if self.local:
+                create_sparse_files(self.checkpoint, lengths)
         others = [r for r in range(n) if r not in states]
         work = ((r, scattered[r], sent.pop(r)) for r in others)
         differ = []
         for r, result_blob, lengths, repeat_blob, same in self._unmeasured(_rest_of_rank, work, ranks):
             result_blobs[r], repeat_blobs[r] = result_blob, repeat_blob
             scattered[r] = b""
-            create_sparse_files(self.checkpoint, lengths)
+            if self.local:
+                create_sparse_files(self.checkpoint, lengths)
             if not same:
                 differ.append(r)
         if others:
@@ -535,8 +568,11 @@ class PlanScaleSimulation:
             self._step(SAVE, COORDINATOR, FINISH, finish)
             broadcast = self._step(SAVE, COORDINATOR, BROADCAST_SEND, lambda: pickle.dumps(metadata))
         self.info["metadata_broadcast_bytes"] = len(broadcast)
-        self.info["metadata_file_bytes"] = os.path.getsize(os.path.join(self.checkpoint, ".metadata"))
-        self.info["chunk_index_bytes"] = _chunk_index_size(self.checkpoint)
+        if self.local:
+            self.info["metadata_file_bytes"] = os.path.getsize(os.path.join(self.checkpoint, ".metadata"))
+            self.info["chunk_index_bytes"] = _chunk_index_size(self.checkpoint)
+        else:
+            self.info["metadata_file_bytes"], self.info["chunk_index_bytes"] = _object_sizes(self.checkpoint)
         self.info["chunks"] = sum(len(getattr(md, "chunks", ())) for md in metadata.state_dict_metadata.values())
         with _simulated(receiver_state):
             self._step(SAVE, RANK, BROADCAST_RECEIVE, lambda: pickle.loads(broadcast), rank=receiver,
@@ -649,7 +685,8 @@ class PlanScaleSimulation:
         """Rank ``r``'s load as its own process would start it (fastdcp only): a fresh reader and
         metadata cache, ``read_metadata`` with the default group being rank ``r`` of the load's
         world (so fastdcp may read just this rank's section of the chunk index), the set-ups and
-        the local plan, measured as one step; the metadata bytes it read go into ``info``."""
+        the local plan, measured as one step; the metadata bytes it read go into ``info`` (from
+        object storage: the bytes its GETs fetched, and their number)."""
         from fastdcp.load.sectioned_metadata import metadata_bytes_read
 
         _clear_metadata_cache()
@@ -657,6 +694,8 @@ class PlanScaleSimulation:
         reader = self.system.reader(self.checkpoint)
         planner = self.system.load_planner()
         before = metadata_bytes_read()
+        fetched = getattr(reader, "metadata_fetched", None)
+        requests_before = fetched.requests if fetched is not None else 0
 
         def run() -> tuple[LoadPlan, Any]:
             metadata = reader.read_metadata()
@@ -673,6 +712,8 @@ class PlanScaleSimulation:
         reads = self.info.setdefault(f"{phase}_metadata_reads", {})
         reads[str(r)] = {"read_bytes": metadata_bytes_read() - before, "peak_bytes": record.peak_bytes,
                          "seconds": record.seconds, "from_section": not getattr(metadata, "table_loaded", True)}
+        if fetched is not None:
+            reads[str(r)]["requests"] = fetched.requests - requests_before
         del metadata  # (the reader and planner go with this call)
         _clear_metadata_cache()
         return plan
@@ -728,7 +769,8 @@ class PlanScaleSimulation:
         self._load()
         return SimulationOutcome(
             system=self.system.name, ranks=self.world_size, records=self.records, info=self.info,
-            notes=self.notes, checks=self.checks, metadata_file=os.path.join(self.checkpoint, ".metadata"),
+            notes=self.notes, checks=self.checks,
+            metadata_file=os.path.join(self.checkpoint, ".metadata") if self.local else f"{self.checkpoint}/.metadata",
             load_plans=self.load_plans)
 
 
@@ -821,11 +863,35 @@ def _chunk_index_size(checkpoint: str) -> int | None:
     return None if name is None else os.path.getsize(os.path.join(checkpoint, name))
 
 
+def _object_sizes(url: str) -> tuple[int, int | None]:
+    """The sizes of a checkpoint's ``.metadata`` object and of the chunk index it names (None: it
+    names none), by HEAD requests."""
+    import obstore
+
+    from fastdcp.format.chunk_index import find_chunk_index_name
+    from fastdcp.objstore.client import S3Options, store_for
+    from fastdcp.objstore.location import ObjectLocation
+
+    location = ObjectLocation.parse(url)
+    store = store_for(location, S3Options())
+    size = int(obstore.head(store, location.key(".metadata"))["size"])
+    name = find_chunk_index_name(bytes(obstore.get_range(store, location.key(".metadata"), start=0,
+                                                         end=min(size, 4096))))
+    return size, None if name is None else int(obstore.head(store, location.key(name))["size"])
+
+
 def _systems(ctx: Any) -> list[PlanSystem]:
     """stock when --systems has it; fastdcp when it has any fastdcp system that is not a stand-in;
-    each only when ``--plan-systems`` names it (default: both)."""
+    each only when ``--plan-systems`` names it (default: both). With ``--plan-storage s3``, fastdcp
+    alone, on object storage."""
     systems = []
     allowed = set(getattr(ctx.cfg, "plan_systems", None) or SYSTEMS)
+    if getattr(ctx.cfg, "plan_storage", "local") == "s3":
+        if "stock" in allowed and any(s.name == "stock" for s in ctx.systems):
+            ctx.note(f"{SCENARIO}: --plan-storage s3 simulates fastdcp only (stock's FsspecWriter/FsspecReader are "
+                     "not simulated)")
+        fast = [s for s in ctx.systems if s.name.startswith("fastdcp")] if "fastdcp" in allowed else []
+        return [fastdcp_s3_system()] if fast and not any(s.standin for s in fast) else []
     if "stock" in allowed and any(s.name == "stock" for s in ctx.systems):
         systems.append(stock_system())
     fast = [s for s in ctx.systems if s.name.startswith("fastdcp")] if "fastdcp" in allowed else []
@@ -908,9 +974,10 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
 def run_plan_scale(ctx: Any, wheres: list[str]) -> None:
     """The `plan_scale` scenario: for each N of ``--plan-ranks`` (ascending), stock then fastdcp,
     each simulated in full (:class:`PlanScaleSimulation`) into a directory of their own on
-    /dev/shm when it has room; one Recorder row per (system, N, phase, side, step) with one sample
-    per measured rank, an info row per (system, N), a row per check. Raises VerificationError at
-    the end when a check failed."""
+    /dev/shm when it has room (``--plan-storage s3``: fastdcp alone, into a bucket of a local S3
+    server started for the run); one Recorder row per (system, N, phase, side, step) with one
+    sample per measured rank, an info row per (system, N), a row per check. Raises
+    VerificationError at the end when a check failed."""
     systems = _systems(ctx)
     if not systems:
         ctx.note(f"{SCENARIO}: no system to measure (it runs stock and fastdcp)")
@@ -918,18 +985,57 @@ def run_plan_scale(ctx: Any, wheres: list[str]) -> None:
     if dist.is_initialized():
         ctx.note(f"{SCENARIO}: not run: a default process group exists (the simulated ranks need their own)")
         return
+    with contextlib.ExitStack() as stack:
+        bucket = None
+        if any(system.object_storage for system in systems):
+            bucket = _start_object_store(ctx, stack)
+            if bucket is None:
+                return
+        _run_plan_scale(ctx, wheres, systems, bucket)
+
+
+def _start_object_store(ctx: Any, stack: contextlib.ExitStack) -> str | None:
+    """A local S3 server for ``--plan-storage s3``, stopped (and the environment restored) with
+    ``stack``; the bucket made for the run, or None (noted) when no server starts."""
+    import tempfile
+    import uuid
+
+    from .s3_endpoint import S3Endpoint, S3EndpointUnavailable
+
+    workdir = tempfile.mkdtemp(prefix="fastdcp_bench_plan_s3_")
+    stack.callback(shutil.rmtree, workdir, True)
+    try:
+        endpoint = S3Endpoint(workdir=workdir).start()
+    except S3EndpointUnavailable as error:
+        ctx.note(f"{SCENARIO}: not run on object storage: {error}")
+        return None
+    stack.callback(endpoint.stop)
+    stack.enter_context(endpoint.exported())
+    bucket = f"plan-scale-{uuid.uuid4().hex[:10]}"
+    endpoint.create_bucket(bucket)
+    ctx.note(f"{SCENARIO}: object storage: {endpoint.server_name} on 127.0.0.1 behind the counting proxy, no "
+             "added latency; checkpoints under s3://" + bucket)
+    return bucket
+
+
+def _run_plan_scale(ctx: Any, wheres: list[str], systems: list[PlanSystem], bucket: str | None) -> None:
+    """:func:`run_plan_scale`'s simulations, recorded; ``bucket``: where systems on object
+    storage put their checkpoints (recorded as ``where=s3``)."""
     failed: list[str] = []
     for n in sorted(set(ctx.cfg.plan_ranks)):
         where, root = _target(ctx, wheres, n, len(systems))
+        if bucket is not None:
+            where = "s3"
         base = os.path.join(root, GROUP, f"n{n}")
         outcomes: dict[str, SimulationOutcome] = {}
         try:
             for system in systems:
                 started = time.perf_counter()
+                location = f"s3://{bucket}/{GROUP}/n{n}/{system.name}" if system.object_storage else None
                 sim = PlanScaleSimulation(system, n, os.path.join(base, system.name),
                                           build_budget_s=ctx.cfg.plan_budget_s,
                                           all_load_plans_max_ranks=ctx.cfg.plan_all_load_ranks,
-                                          workers=ctx.cfg.plan_workers, progress=ctx.progress)
+                                          workers=ctx.cfg.plan_workers, progress=ctx.progress, location=location)
                 outcome = sim.run()
                 outcome.info["simulation_seconds"] = time.perf_counter() - started
                 outcome.info["where"] = where

@@ -196,7 +196,8 @@ def metadata_reads(summary: SystemSummary) -> dict[str, dict[str, Any]]:
     ``OWN_LOAD`` step on the sample ranks): the most bytes a rank read
     (``rank_metadata_read_bytes``), its peak memory for read + plan (``rank_metadata_peak_bytes``),
     the total across the load's ranks (``total_metadata_read_bytes``: the load's rank count times
-    the sample ranks' mean, every rank reading the same parts), and the slowest read + plan."""
+    the sample ranks' mean, every rank reading the same parts), and the slowest read + plan; from
+    object storage also the most requests a rank sent for it (``rank_metadata_requests``)."""
     out: dict[str, dict[str, Any]] = {}
     for phase, world in ((LOAD_SAME, summary.ranks), (LOAD_HALF, summary.ranks // 2)):
         reads = summary.info.get(f"{phase}_metadata_reads")
@@ -214,6 +215,8 @@ def metadata_reads(summary: SystemSummary) -> dict[str, dict[str, Any]]:
             "from_section": all(bool(r.get("from_section")) for r in rows),
             "sample_ranks": sorted(int(k) for k in reads),
         }
+        if all("requests" in r for r in rows):
+            out[phase]["rank_metadata_requests"] = max(int(r["requests"]) for r in rows)
     return out
 
 
@@ -401,9 +404,10 @@ def plan_scale_lines(results: list[Result]) -> list[str]:
                 out.append(f"  {name}: {note}")
             for phase, r in metadata_reads(run).items():
                 md = inf.get("metadata_file_bytes") or 0
+                gets = f"in {r['rank_metadata_requests']} GETs " if "rank_metadata_requests" in r else ""
                 out.append(
                     f"  {name}: {phase} ({r['ranks']:,} ranks), a rank's own process: reads "
-                    f"{_mib(r['rank_metadata_read_bytes'])} MiB of metadata "
+                    f"{_mib(r['rank_metadata_read_bytes'])} MiB of metadata {gets}"
                     f"({'its section of the chunk index' if r['from_section'] else 'the whole chunk index'}; "
                     f"index {_mib(inf.get('chunk_index_bytes'))} MiB), peak {_mib(r['rank_metadata_peak_bytes'])} MiB, "
                     f"read + plan {_s(r['rank_load_plan_seconds'])} s; all ranks read "

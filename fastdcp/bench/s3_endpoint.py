@@ -15,6 +15,7 @@ on every path."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["S3Endpoint", "S3EndpointUnavailable", "client_env"]
@@ -273,8 +275,33 @@ class S3Endpoint:
         """Requests per S3 operation since the last :meth:`reset`."""
         return dict(self._control("stats")["counts"])
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes through the proxy since the last :meth:`reset`: ``up`` (requests, to the server)
+        and ``down`` (responses, headers included)."""
+        stats = self._control("stats")
+        return {"up": int(stats["bytes_up"]), "down": int(stats["bytes_down"])}
+
     def reset(self) -> None:
         self._control("reset", "POST")
+
+    @contextlib.contextmanager
+    def exported(self) -> Iterator["S3Endpoint"]:
+        """The ``AWS_*`` environment pointing at this endpoint while the block runs (as a user's
+        job would have it; no profile, no session token), the previous one restored after."""
+        names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_PROFILE",
+                 "AWS_SESSION_TOKEN")
+        saved = {name: os.environ.get(name) for name in names}
+        try:
+            os.environ.pop("AWS_PROFILE", None)
+            os.environ.pop("AWS_SESSION_TOKEN", None)
+            os.environ.update(self.env())
+            yield self
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     def fault(self, op: str = "ANY", count: int = 1, status: int = 503) -> None:
         """Answer the next ``count`` requests of ``op`` with ``status`` instead of forwarding them."""

@@ -89,6 +89,7 @@ __all__ = [
     "read_rank_section",
     "read_shared_objects",
     "pread_exactly",
+    "source_metadata_facts",
     "write_chunk_index",
     "read_chunk_index",
     "find_chunk_index_name",
@@ -953,24 +954,50 @@ class RankSection:
     bytes_read: int
 
 
-def pread_exactly(fd: int, offset: int, length: int, fail: Any) -> bytearray:
-    """``length`` bytes of ``fd`` from ``offset`` (``pread``: the file position is not used), in a
-    writable buffer; ``fail(problem)`` makes the error raised when the file ends first."""
-    data = bytearray()
-    while len(data) < length:
-        chunk = os.pread(fd, min(length - len(data), 64 << 20), offset + len(data))
-        if not chunk:
-            raise fail(f"truncated: needs bytes up to {offset + length}, the file ended at {offset + len(data)}")
-        data += chunk
+def _size_of(source: Any) -> int:
+    """The size of ``source``: a file descriptor, or a positional source (``size()``)."""
+    return os.fstat(source).st_size if isinstance(source, int) else int(source.size())
+
+
+def pread_exactly(source: Any, offset: int, length: int, fail: Any) -> bytearray:
+    """``length`` bytes of ``source`` from ``offset`` in a writable buffer. ``source``: a file
+    descriptor (read with ``pread``: the file position is not used) or a positional source
+    (:class:`fastdcp.io.positional.PositionalSource`: a file, or an object read by ranged GETs);
+    ``fail(problem)`` makes the error raised when it ends first."""
+    data = bytearray(length)
+    view = memoryview(data)
+    done = 0
+    while done < length:
+        if isinstance(source, int):
+            n = os.preadv(source, [view[done:done + (64 << 20)]], offset + done)
+        else:
+            n = source.read_into(offset + done, view[done:])
+        if not n:
+            raise fail(f"truncated: needs bytes up to {offset + length}, the file ended at {offset + done}")
+        done += n
     return data
 
 
-def read_index_header(fd: int, where: str) -> IndexHeader:
-    """The first bytes of the chunk index open as ``fd`` (read with ``pread``). Raises
+def source_metadata_facts(source: Any, edge_bytes: int, head: bytes = b"") -> tuple[int, int, int]:
+    """:func:`metadata_facts` of a ``.metadata`` read through ``source`` (a file descriptor or a
+    positional source), by positional reads; ``head``: its first bytes when already read (used
+    for as many of the edges as they cover, so a small file costs no second read)."""
+    fail = lambda problem: CheckpointFormatError(f"'{getattr(source, 'name', source)}': {problem}")  # noqa: E731
+    size = _size_of(source)
+    first = min(size, edge_bytes)
+    head_part = head[:first] if len(head) >= first else bytes(pread_exactly(source, 0, first, fail))
+    start = max(0, size - edge_bytes)
+    tail_part = head[start:size] if len(head) >= size else bytes(pread_exactly(source, start, size - start, fail))
+    return size, crc32c(head_part), crc32c(tail_part)
+
+
+def read_index_header(source: Any, where: str) -> IndexHeader:
+    """The first bytes of the chunk index ``source`` (a file descriptor or a positional source, see
+    :func:`pread_exactly`), by one positional read. Raises
     :class:`CheckpointFormatError` for anything not a chunk index of a supported version, and for
     a version 2 header whose own checksum or layout is wrong."""
     fail = lambda problem: CheckpointFormatError(f"{where}: {problem}")  # noqa: E731
-    header = pread_exactly(fd, 0, _HEADER_SIZE, fail)
+    header = pread_exactly(source, 0, _HEADER_SIZE, fail)
     (magic, version, header_size, flags, width, entries, rows, md_size, head_crc, tail_crc, _, _, _) = \
         _HEADER.unpack_from(header)
     if magic != _MAGIC:
@@ -978,13 +1005,14 @@ def read_index_header(fd: int, where: str) -> IndexHeader:
     if version not in (_FORMAT_VERSION, _SECTIONS_VERSION) or header_size != _HEADER_SIZE:
         raise fail(f"chunk index format version {version} is not supported")
     v2 = _parse_v2_header(header, fail) if version == _SECTIONS_VERSION else None
-    if v2 is not None and os.fstat(fd).st_size != v2.file_size:
-        raise fail(f"is {os.fstat(fd).st_size} bytes, its header says {v2.file_size} (truncated or appended to)")
+    if v2 is not None and _size_of(source) != v2.file_size:
+        raise fail(f"is {_size_of(source)} bytes, its header says {v2.file_size} (truncated or appended to)")
     return IndexHeader(version, md_size, head_crc, tail_crc, v2.edge_bytes if v2 else EDGE_BYTES, entries, width, v2)
 
 
-def read_shared_objects(fd: int, header: IndexHeader, where: str, *, allow_unsafe: bool = False) -> dict[str, Any]:
-    """The shared objects of the version 2 chunk index open as ``fd`` (one ranged read): every
+def read_shared_objects(source: Any, header: IndexHeader, where: str, *, allow_unsafe: bool = False) -> dict[str, Any]:
+    """The shared objects of the version 2 chunk index ``source`` (see :func:`read_index_header`;
+    one ranged read): every
     entry's fqn, properties, size, chunk count and extents, the entries with inner empty chunks,
     ``planner_data``, ``storage_meta``, ``version``; and ``"bytes_read"``. Checked (CRC-32C,
     bounded decompression, restricted unpickling unless ``allow_unsafe``); failures raise
@@ -993,7 +1021,7 @@ def read_shared_objects(fd: int, header: IndexHeader, where: str, *, allow_unsaf
     fail = lambda problem: CheckpointFormatError(f"{where}: {problem}")  # noqa: E731
     if v2 is None:
         raise fail("has no shared objects (format version 1)")
-    packed = pread_exactly(fd, v2.common_offset, v2.common_length, fail)
+    packed = pread_exactly(source, v2.common_offset, v2.common_length, fail)
     if crc32c(packed) != v2.common_crc:
         raise fail("the shared objects' checksum does not match: the file is damaged")
     common = _common_objects(packed, header, fail, allow_unsafe)
@@ -1001,12 +1029,12 @@ def read_shared_objects(fd: int, header: IndexHeader, where: str, *, allow_unsaf
     return common
 
 
-def read_rank_section(fd: int, header: IndexHeader, rank: int, where: str, *, allow_unsafe: bool = False,
+def read_rank_section(source: Any, header: IndexHeader, rank: int, where: str, *, allow_unsafe: bool = False,
                       shared: dict[str, Any] | None = None) -> RankSection | None:
-    """Rank ``rank``'s section of the version 2 chunk index open as ``fd``, by ranged reads
-    (``pread``): the directory entry, the section, and the shared objects unless given
-    (``shared``, from :func:`read_shared_objects`). None when the index has no section for
-    ``rank`` (version 1, or a save with fewer ranks).
+    """Rank ``rank``'s section of the version 2 chunk index ``source`` (see
+    :func:`read_index_header`), by ranged reads: the directory entry, the section, and the shared
+    objects unless given (``shared``, from :func:`read_shared_objects`). None when the index has
+    no section for ``rank`` (version 1, or a save with fewer ranks).
 
     Everything read is checked as :func:`read_chunk_index` checks the whole table (CRC-32C of
     the section and of the shared objects, every record against the entries' sizes and the
@@ -1016,18 +1044,18 @@ def read_rank_section(fd: int, header: IndexHeader, rank: int, where: str, *, al
     if v2 is None or not 0 <= rank < v2.sections:
         return None
     fail = lambda problem: CheckpointFormatError(f"{where}: section of rank {rank}: {problem}")  # noqa: E731
-    entry = pread_exactly(fd, v2.directory_offset + rank * _DIRECTORY_ENTRY.size, _DIRECTORY_ENTRY.size, fail)
+    entry = pread_exactly(source, v2.directory_offset + rank * _DIRECTORY_ENTRY.size, _DIRECTORY_ENTRY.size, fail)
     offset, length, crc, zero = _DIRECTORY_ENTRY.unpack(entry)
     sections_start = v2.common_offset + v2.common_length
     if zero or not (sections_start <= offset and length >= _SECTION_HEADER.size
                     and offset + length <= v2.directory_offset):
         raise fail(f"directory entry (offset {offset}, length {length}) lies outside the sections")
-    raw = pread_exactly(fd, offset, length, fail)
+    raw = pread_exactly(source, offset, length, fail)
     if crc32c(raw) != crc:
         raise fail(f"checksum mismatch (recorded {crc:#010x}): the file is damaged")
     bytes_read = _DIRECTORY_ENTRY.size + length
     if shared is None:
-        shared = read_shared_objects(fd, header, where, allow_unsafe=allow_unsafe)
+        shared = read_shared_objects(source, header, where, allow_unsafe=allow_unsafe)
         bytes_read += shared["bytes_read"]
     table, ordinals = _section_table(raw, header, shared, fail)
     return RankSection(

@@ -9,6 +9,10 @@ hundred MB instead of minutes and gigabytes) and returns a
 (returns None) for stock-written metadata and, with a warning on the ``fastdcp`` logger, for an
 index that is damaged, names a path outside the checkpoint, or was not written for this
 ``.metadata`` (its recorded size and head/tail CRC-32C differ).
+
+The reading itself (:func:`metadata_from_index`) goes through positional sources
+(:mod:`fastdcp.io.positional`), so a checkpoint in object storage is read by the same code with
+ranged GETs in place of ``pread`` (``fastdcp.objstore.indexed_metadata``).
 """
 
 from __future__ import annotations
@@ -19,28 +23,28 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..format.chunk_index import (
     find_chunk_index_name,
-    metadata_facts,
     read_chunk_index,
     read_index_header,
     read_shared_objects,
+    source_metadata_facts,
 )
 from ..format.metadata import CheckpointFormatError
 from ..format.table_metadata import TableMetadata
 from ..io.checkpoint_files import check_relative_path, load_metadata, metadata_path
 from ..io.gc import gc_paused
+from ..io.positional import FileSource, PositionalSource, source_stream
 from .sectioned_metadata import IndexSource, SectionedTableMetadata, count_metadata_read
 
-__all__ = ["MetadataCache", "metadata_cache", "clear_metadata_cache", "load_table_metadata"]
+__all__ = ["MetadataCache", "metadata_cache", "clear_metadata_cache", "load_table_metadata", "metadata_from_index"]
 
 logger = logging.getLogger("fastdcp")
 
-_INDEX_HEADER_BYTES = 128
 _HEAD_BYTES = 4 << 10  # where write_metadata puts the chunk index name (in its first ~100 bytes)
 # An index larger than this many times its .metadata is not one fastdcp wrote (it is ~0.35x):
 # refused before it is read, so a planted file cannot make every rank read gigabytes.
@@ -162,9 +166,9 @@ def clear_metadata_cache() -> None:
     metadata_cache.clear()
 
 
-def _open_regular(path: str) -> Any | None:
-    """``path`` opened for reading if it is a regular file (a FIFO never blocks the open), else
-    None."""
+def _open_regular(path: str) -> int | None:
+    """A descriptor of ``path`` open for reading if it is a regular file (a FIFO never blocks the
+    open), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -173,7 +177,7 @@ def _open_regular(path: str) -> Any | None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             return None
-        return os.fdopen(fd, "rb")
+        return fd
     except BaseException:
         os.close(fd)
         raise
@@ -198,70 +202,109 @@ def load_table_metadata(path: str | os.PathLike, rank: int | None = None,
         directory, file = os.path.dirname(path) or ".", path
     else:
         return None
-    f = _open_regular(file)
-    if f is None:
+    fd = _open_regular(file)
+    if fd is None:
         return None
-    with f:
-        head = f.read(_HEAD_BYTES)
-        count_metadata_read(len(head))
+
+    def open_index(name: str) -> FileSource | None:
+        index_path = check_relative_path(directory, name)
+        g = _open_regular(index_path)
+        return None if g is None else FileSource(g, index_path, count_metadata_read)
+
+    return metadata_from_index(FileSource(fd, file, count_metadata_read), open_index, allow_unsafe, sectioned)
+
+
+def metadata_from_index(metadata: PositionalSource, open_index: Callable[[str], PositionalSource | None],
+                        allow_unsafe: bool = False, sectioned: bool = False) -> TableMetadata | None:
+    """The metadata of the checkpoint whose ``.metadata`` is ``metadata``, from the chunk index it
+    names, or None when the caller should parse ``.metadata`` instead: the one reading path of
+    local files and objects alike (positional reads through
+    :class:`~fastdcp.io.positional.PositionalSource`).
+
+    Reads ``.metadata``'s first bytes for the index's name, the index's header, then the
+    ``.metadata``'s size and edges to check that the index was written for it (the first bytes
+    already read serve as its head when they cover it); then, with ``sectioned`` and a version 2
+    index, only the shared objects (a :class:`SectionedTableMetadata` reads the rest on demand),
+    else the whole table. Both sources are owned from now on: closed when this returns, or kept
+    by the returned ``SectionedTableMetadata``.
+
+    Args:
+        metadata: the ``.metadata``; an ``OSError`` reading its first bytes is raised.
+        open_index: the index of a name found in ``.metadata``: a source (reading it may fail with
+            ``FileNotFoundError`` when it is missing), None when it is missing, or
+            ``CheckpointFormatError`` for a name that leads out of the checkpoint.
+        allow_unsafe: unpickle the index's small objects with plain pickle.
+        sectioned: a load on several ranks (see :func:`load_table_metadata`).
+    """
+    index: PositionalSource | None = None
+    kept = False
+    try:
+        buffer = bytearray(_HEAD_BYTES)
+        head = bytes(buffer[:metadata.read_into(0, memoryview(buffer))])
         name = find_chunk_index_name(head)
         if name is None:
             return None  # stock-written (or damaged: the parse reports it)
         try:
-            index_path = check_relative_path(directory, name)
+            index = open_index(name)
         except CheckpointFormatError as e:
-            logger.warning("ignoring the chunk index named by '%s': %s; reading the metadata itself", file, e)
+            logger.warning("ignoring the chunk index named by '%s': %s; reading the metadata itself", metadata.name, e)
             return None
-        where = f"checkpoint chunk index '{index_path}'"
-        g = _open_regular(index_path)
-        if g is None:
+        if index is None:
             logger.debug("'%s' names chunk index '%s', which is missing or not a regular file: reading the "
-                         "metadata itself", file, index_path)
+                         "metadata itself", metadata.name, name)
             return None
-        with g:
+        where = f"checkpoint chunk index '{index.name}'"
+        try:
+            header = read_index_header(index, where)
+        except FileNotFoundError:
+            logger.debug("'%s' names chunk index '%s', which is missing: reading the metadata itself",
+                         metadata.name, index.name)
+            return None
+        except (CheckpointFormatError, OSError) as e:
+            _unusable(where, e, "reading the metadata itself")
+            return None
+        try:
+            size, head_crc, tail_crc = source_metadata_facts(metadata, header.edge_bytes, head)
+        except CheckpointFormatError as e:  # shorter than its size: truncated while it was read
+            logger.warning("ignoring %s: %s; reading the metadata itself", where, e)
+            return None
+        if (header.metadata_size, header.metadata_head_crc, header.metadata_tail_crc) != (size, head_crc, tail_crc):
+            logger.warning(
+                "ignoring %s: it was written for another .metadata (size %d, CRC-32C %#010x/%#010x; '%s' has %d "
+                "bytes, %#010x/%#010x); reading the metadata itself", where, header.metadata_size,
+                header.metadata_head_crc, header.metadata_tail_crc, metadata.name, size, head_crc, tail_crc)
+            return None
+        if sectioned and header.v2 is not None:
             try:
-                header = read_index_header(g.fileno(), where)
-                count_metadata_read(_INDEX_HEADER_BYTES)
-            except (CheckpointFormatError, OSError) as e:
-                _unusable(where, e, "reading the metadata itself")
-                return None
-            size, head_crc, tail_crc = metadata_facts(f, header.edge_bytes)
-            count_metadata_read(min(size, 2 * header.edge_bytes))
-            if (header.metadata_size, header.metadata_head_crc, header.metadata_tail_crc) != (size, head_crc, tail_crc):
-                logger.warning(
-                    "ignoring %s: it was written for another .metadata (size %d, CRC-32C %#010x/%#010x; '%s' has %d "
-                    "bytes, %#010x/%#010x); reading the metadata itself", where, header.metadata_size,
-                    header.metadata_head_crc, header.metadata_tail_crc, file, size, head_crc, tail_crc)
-                return None
-            index_size = os.fstat(g.fileno()).st_size
-            if sectioned and header.v2 is not None:
-                try:
-                    with gc_paused():
-                        shared = read_shared_objects(g.fileno(), header, where, allow_unsafe=allow_unsafe)
-                    count_metadata_read(shared["bytes_read"] - _INDEX_HEADER_BYTES)
-                except (CheckpointFormatError, OSError) as e:
-                    _unusable(where, e, "reading the whole index")
-                else:
-                    source = IndexSource(directory, file, index_path, header, shared, allow_unsafe,
-                                         index_fd=os.dup(g.fileno()), metadata_fd=os.dup(f.fileno()))
-                    return SectionedTableMetadata(source, shared["planner_data"], shared["storage_meta"],
-                                                  shared["version"])
-            # What read_chunk_index reads: the whole file, or version 2's table part (the per-rank
-            # sections after it are not read, and may outgrow .metadata: it lists a replicated
-            # chunk once, the sections once per rank that saved it).
-            table_size = header.v2.common_offset if header.v2 is not None else index_size
-            try:
-                if table_size > _INDEX_SIZE_RATIO * size + _INDEX_SIZE_SLACK:
-                    raise CheckpointFormatError(f"{where}: {table_size} bytes is implausibly large for a "
-                                                f"{size}-byte .metadata")
-                g.seek(0)
                 with gc_paused():
-                    index = read_chunk_index(g, where, allow_unsafe=allow_unsafe)
-                count_metadata_read(g.tell())
+                    shared = read_shared_objects(index, header, where, allow_unsafe=allow_unsafe)
             except (CheckpointFormatError, OSError) as e:
-                _unusable(where, e, "reading the metadata itself")
-                return None
-    if (index.metadata_size, index.metadata_head_crc, index.metadata_tail_crc) != (size, head_crc, tail_crc):
+                _unusable(where, e, "reading the whole index")
+            else:
+                source = IndexSource(metadata, index, header, shared, allow_unsafe)
+                kept = True
+                return SectionedTableMetadata(source, shared["planner_data"], shared["storage_meta"],
+                                              shared["version"])
+        # What read_chunk_index reads: the whole file, or version 2's table part (the per-rank
+        # sections after it are not read, and may outgrow .metadata: it lists a replicated
+        # chunk once, the sections once per rank that saved it).
+        try:
+            table_size = header.v2.common_offset if header.v2 is not None else index.size()
+            if table_size > _INDEX_SIZE_RATIO * size + _INDEX_SIZE_SLACK:
+                raise CheckpointFormatError(f"{where}: {table_size} bytes is implausibly large for a "
+                                            f"{size}-byte .metadata")
+            with source_stream(index) as g, gc_paused():
+                chunk_index = read_chunk_index(g, where, allow_unsafe=allow_unsafe)
+        except (CheckpointFormatError, OSError) as e:
+            _unusable(where, e, "reading the metadata itself")
+            return None
+    finally:
+        if not kept:
+            metadata.close()
+            if index is not None:
+                index.close()
+    facts = (chunk_index.metadata_size, chunk_index.metadata_head_crc, chunk_index.metadata_tail_crc)
+    if facts != (size, head_crc, tail_crc):
         logger.warning("ignoring %s: it changed while it was read; reading the metadata itself", where)
         return None
-    return TableMetadata(index.table, index.planner_data, index.storage_meta, index.version)
+    return TableMetadata(chunk_index.table, chunk_index.planner_data, chunk_index.storage_meta, chunk_index.version)

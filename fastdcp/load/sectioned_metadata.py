@@ -25,7 +25,6 @@ falls back to parsing ``.metadata`` itself, with a warning, as
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -38,6 +37,7 @@ from ..format.chunk_table import table_from_metadata
 from ..format.metadata import CheckpointFormatError, parse_metadata
 from ..format.table_metadata import _SD, _SDM, _TABLE, _UNBUILT, TableEntries, TableMetadata, TableStorageData
 from ..io.gc import gc_paused
+from ..io.positional import PositionalSource, source_stream
 
 __all__ = ["IndexSource", "SectionedTableMetadata", "SectionStorageData", "metadata_bytes_read"]
 
@@ -70,34 +70,43 @@ class IndexSource:
     CRC-32C) when this was made: one rank's section or the whole table, each read on demand
     and kept.
 
-    Both files stay open from then on (``index_fd``, ``metadata_fd``, owned and closed with this
-    object): a save that replaces the checkpoint meanwhile (renaming a new ``.metadata`` over it,
-    deleting the old index) cannot make a later read see another save than the one this load
-    started with."""
+    Both are read through positional sources (:class:`fastdcp.io.positional.PositionalSource`),
+    owned and closed with this object: local files held open (a save that replaces the
+    checkpoint meanwhile, renaming a new ``.metadata`` over it and deleting the old index, cannot
+    make a later read see another save than the one this load started with), or objects read
+    by ranged GETs pinned to the version first read (a replaced ``.metadata`` is an error then,
+    never another save's bytes).
 
-    def __init__(self, directory: str, metadata_file: str, index_path: str, header: IndexHeader,
-                 shared: dict[str, Any], allow_unsafe: bool, *, index_fd: int, metadata_fd: int) -> None:
-        self.shared = shared  # read_shared_objects of the index
-        self.directory = directory
-        self.metadata_file = metadata_file
-        self.index_path = index_path
+    Args:
+        metadata: the ``.metadata`` the index was matched against.
+        index: the chunk index.
+        header: the index's header, as read.
+        shared: the index's shared objects (:func:`~fastdcp.format.chunk_index.read_shared_objects`).
+        allow_unsafe: unpickle the index's small objects with plain pickle.
+    """
+
+    def __init__(self, metadata: PositionalSource, index: PositionalSource, header: IndexHeader,
+                 shared: dict[str, Any], allow_unsafe: bool) -> None:
+        self.shared = shared
+        self.metadata = metadata
+        self.index = index
         self.header = header
         self.allow_unsafe = allow_unsafe
-        self.where = f"checkpoint chunk index '{index_path}'"
-        self._index_fd = index_fd
-        self._metadata_fd = metadata_fd
+        self.metadata_file = metadata.name
+        self.index_path = index.name
+        self.where = f"checkpoint chunk index '{index.name}'"
         self._lock = threading.Lock()
         self._sections: OrderedDict[int, RankSection | None] = OrderedDict()
         self._full: TableMetadata | None = None
 
+    def close(self) -> None:
+        for name in ("index", "metadata"):
+            source = getattr(self, name, None)
+            if source is not None:
+                source.close()
+
     def __del__(self) -> None:
-        for name in ("_index_fd", "_metadata_fd"):
-            fd = getattr(self, name, None)
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        self.close()
 
     def section(self, rank: int) -> RankSection | None:
         """Rank ``rank``'s section, or None when the index has none for it or it cannot be used
@@ -109,15 +118,13 @@ class IndexSource:
             section = None
             try:
                 with gc_paused():
-                    section = read_rank_section(self._index_fd, self.header, rank, self.where,
+                    section = read_rank_section(self.index, self.header, rank, self.where,
                                                 allow_unsafe=self.allow_unsafe, shared=self.shared)
             except CheckpointFormatError as e:
                 logger.warning("ignoring a damaged section of a chunk index, reading the whole index: %s", e)
             except OSError as e:
                 logger.warning("could not read rank %d's section of %s (%s), reading the whole index", rank,
                                self.where, e)
-            if section is not None:
-                count_metadata_read(section.bytes_read)
             self._sections[rank] = section
             while len(self._sections) > _SECTIONS_KEPT:
                 self._sections.popitem(last=False)
@@ -134,10 +141,8 @@ class IndexSource:
     def _read_full(self) -> TableMetadata:
         h = self.header
         try:
-            with os.fdopen(os.dup(self._index_fd), "rb") as f, gc_paused():
-                f.seek(0)
+            with source_stream(self.index) as f, gc_paused():
                 index = read_chunk_index(f, self.where, allow_unsafe=self.allow_unsafe)
-                count_metadata_read(f.tell())
             facts = (index.metadata_size, index.metadata_head_crc, index.metadata_tail_crc)
             if facts != (h.metadata_size, h.metadata_head_crc, h.metadata_tail_crc):
                 raise CheckpointFormatError(f"{self.where}: its table was written for another .metadata")
@@ -145,9 +150,8 @@ class IndexSource:
         except (CheckpointFormatError, OSError) as e:
             logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
         with gc_paused():
-            data = pread_exactly(self._metadata_fd, 0, os.fstat(self._metadata_fd).st_size,
+            data = pread_exactly(self.metadata, 0, self.metadata.size(),
                                  lambda problem: CheckpointFormatError(f"'{self.metadata_file}': {problem}"))
-            count_metadata_read(len(data))
             parsed = parse_metadata(data, f"checkpoint metadata '{self.metadata_file}'",
                                     allow_unsafe=self.allow_unsafe)
             table = table_from_metadata(parsed)

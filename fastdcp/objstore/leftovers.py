@@ -8,8 +8,9 @@ and, with ``--delete``, removes them.
 
 A *leftover* is a data object directly under the prefix or under one of its hex sub-prefixes
 (``FastS3Writer(key_prefixes=...)``), named as DCP names data files (stock's
-``__{rank}_{i}.distcp`` or fastdcp's), that the committed ``.metadata`` does not name, and older
-than ``min_age_s``: object storage holds no in-flight marker, so a younger object may belong to a
+``__{rank}_{i}.distcp`` or fastdcp's), or a chunk index named as fastdcp names it
+(``.metadata.{token}.index``), that the committed ``.metadata`` does not name, and older than
+``min_age_s``: object storage holds no in-flight marker, so a younger object may belong to a
 save that is still running. Everything else is kept, and objects DCP would not have written are
 never touched. Incomplete multipart uploads do not appear in a listing: a bucket lifecycle rule
 (``AbortIncompleteMultipartUpload``) removes them.
@@ -24,12 +25,12 @@ from typing import Any
 
 from ..format.metadata import METADATA_NAME, CheckpointFormatError, CheckpointNotFoundError
 from .client import S3Options, object_error, require_obstore
-from .commit import read_checkpoint_metadata
+from .commit import chunk_index_name, read_checkpoint_metadata
 from .location import ObjectLocation
 from .transfer import delete_objects
 
-__all__ = ["DEFAULT_MIN_AGE_S", "DATA_OBJECT_RE", "StoredObject", "Leftovers", "list_objects", "find_leftovers",
-           "remove_leftovers"]
+__all__ = ["DEFAULT_MIN_AGE_S", "DATA_OBJECT_RE", "INDEX_OBJECT_RE", "StoredObject", "Leftovers", "list_objects",
+           "find_leftovers", "remove_leftovers"]
 
 DEFAULT_MIN_AGE_S = 3600.0  # as long as a save may take between its first upload and its commit
 
@@ -38,6 +39,9 @@ DEFAULT_MIN_AGE_S = 3600.0  # as long as a save may take between its first uploa
 DATA_OBJECT_RE = re.compile(r"^(?:[0-9a-f]+/)?__\d+_(?:[0-9a-f]+_)?\d+\.distcp$")
 # The sub-prefixes FastS3Writer(key_prefixes=...) spreads data objects over.
 _SUB_PREFIX_RE = re.compile(r"^[0-9a-f]+/$")
+
+# The chunk index a save planned in bulk writes beside .metadata: .metadata.{token}.index.
+INDEX_OBJECT_RE = re.compile(r"^\.metadata\.[0-9a-f]+\.index$")
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,9 @@ class Leftovers:
     Args:
         url: the checkpoint.
         committed: whether a ``.metadata`` is there (else every data object is a leftover once old).
-        named: the ``.metadata`` and the objects it names: kept.
-        leftover: data objects nothing names, older than the minimum age: removable.
-        recent: data objects nothing names yet, younger than the minimum age: kept.
+        named: the ``.metadata`` and the objects it names (its chunk index too): kept.
+        leftover: data objects and chunk indexes nothing names, older than the minimum age: removable.
+        recent: data objects and chunk indexes nothing names yet, younger than the minimum age: kept.
         other: objects DCP would not have written: kept.
     """
 
@@ -105,6 +109,9 @@ def find_leftovers(store: Any, location: ObjectLocation, options: S3Options, *, 
     try:
         metadata = read_checkpoint_metadata(store, location, METADATA_NAME, options, allow_unsafe=False)
         referenced = {info.relative_path for info in (metadata.storage_data or {}).values()} | {METADATA_NAME}
+        index = chunk_index_name(metadata)
+        if index is not None:
+            referenced.add(index)
         committed = True
     except CheckpointNotFoundError:
         referenced, committed = set(), False
@@ -115,7 +122,7 @@ def find_leftovers(store: Any, location: ObjectLocation, options: S3Options, *, 
     for obj in sorted(objects, key=lambda o: o.name):
         if obj.name in referenced:
             result.named.append(obj)
-        elif not DATA_OBJECT_RE.match(obj.name):
+        elif not (DATA_OBJECT_RE.match(obj.name) or INDEX_OBJECT_RE.match(obj.name)):
             result.other.append(obj)
         elif now - obj.modified < min_age_s:
             result.recent.append(obj)

@@ -5,6 +5,10 @@ pieces planned from the run tables, placed straight into destinations or through
 with its reads served by concurrent ranged GETs of exactly the byte runs the plan needs
 (:class:`~fastdcp.objstore.transfer.ObjectReadEngine`) instead of ``pread``: only the bytes this
 rank loads cross the network, so a resharded load does not download whole files.
+
+The metadata is read as the local reader reads it (:mod:`.indexed_metadata`): from the chunk index
+a bulk-planned save wrote beside ``.metadata``, a rank of a multi-rank load fetching only the
+index's header, shared objects and its own section by ranged GETs.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ..compat.renamed import READER_RENAMES, renamed_arguments
-from ..format.metadata import METADATA_NAME
+from ..format.metadata import METADATA_NAME, CheckpointFormatError
 from ..io.engine import get_engine
 from ..load.deadline import DEADLINE_FROM_ENV
-from ..load.reader import FastFileSystemReader
+from ..load.reader import FastFileSystemReader, _default_group_rank
+from ..load.sectioned_metadata import SectionedTableMetadata, metadata_bytes_read
 from .client import S3Options
-from .commit import read_checkpoint_metadata
+from .commit import is_object_name
+from .indexed_metadata import ObjectFetches, check_object_names, read_object_metadata
 from .location import ObjectLocation
 from .located import AtObjectLocation
 from .transfer import ObjectFile, ObjectReadEngine
@@ -36,7 +42,9 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
     ``read_buffer_limit_bytes``, ``allow_unsafe_metadata``, ``verify_checksums``, ``load_deadline_s``,
     ``read_once``: as
     :class:`fastdcp.FastFileSystemReader`. ``last_stats`` counts the GET requests and bytes
-    fetched by the last load (``object_requests``, ``object_bytes``)."""
+    fetched by the last load: for data (``object_requests``, ``object_bytes``) and for its metadata,
+    ``.metadata`` and the chunk index, from reading them to the data reads
+    (``metadata_requests``, ``metadata_bytes``)."""
 
     @renamed_arguments(READER_RENAMES)
     def __init__(
@@ -64,11 +72,29 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
         )
         self._settle(self.location, s3_options)
         self._engine: ObjectReadEngine | None = None
+        # The metadata requests and bytes of every load through this reader, and where the
+        # current load's began (metadata_bytes_read(), requests).
+        self.metadata_fetched = ObjectFetches()
+        self._metadata_mark: tuple[int, int] | None = None
 
     def _read_metadata(self, rank: int | None) -> Metadata:
+        """This load's metadata: from the chunk index ``.metadata`` names (on several ranks, this
+        rank's section of it), else ``.metadata`` parsed whole; every data object it names
+        checked to lie directly under the checkpoint's prefix."""
+        self._metadata_mark = (metadata_bytes_read(), self.metadata_fetched.requests)
         name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
-        return self._remember(read_checkpoint_metadata(self._store(), self.location, name, self.s3_options,
-                                                       self.allow_unsafe_metadata))
+        group_rank = _default_group_rank() if rank is None else None
+        metadata = read_object_metadata(self._store(), self.location, name, self.s3_options,
+                                        self.allow_unsafe_metadata, sectioned=group_rank is not None,
+                                        fetches=self.metadata_fetched)
+        if isinstance(metadata, SectionedTableMetadata):
+            # This rank's section (the default group's rank for now; set_up_storage_reader rebinds
+            # when DCP names another), read now as the local reader does.
+            metadata.bind_rank(group_rank)
+            section = metadata.rank_section()
+            if section is not None:
+                check_object_names(self.location, name, section.table.storage.files)  # type: ignore[union-attr]
+        return self._remember(metadata)
 
     def _choose_read_mode(self, per_file: Any) -> None:
         return None  # no page cache, no O_DIRECT: ranged GETs
@@ -81,12 +107,21 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
     def _open(self, relative_path: str) -> ObjectFile:
         # The object's length is checked by every ranged read (a short one names the object), so
         # opening costs no request.
+        if not is_object_name(relative_path):
+            raise CheckpointFormatError(f"{self.location.url()}: the metadata names a data object {relative_path!r} "
+                                        "outside the checkpoint")
         return ObjectFile(self._store(), self.location, relative_path, self.s3_options)
 
     def read_data(self, plan: Any, planner: LoadPlanner) -> Any:
         engine = self._read_engine(False)
         requests, fetched = engine.requests, engine.bytes_fetched
+        mark, self._metadata_mark = self._metadata_mark, None
+        metadata = None
+        if mark is not None:
+            metadata = (metadata_bytes_read() - mark[0], self.metadata_fetched.requests - mark[1])
         future = super().read_data(plan, planner)
         self.last_stats["object_requests"] = engine.requests - requests
         self.last_stats["object_bytes"] = engine.bytes_fetched - fetched
+        if metadata is not None:
+            self.last_stats["metadata_bytes"], self.last_stats["metadata_requests"] = metadata
         return future

@@ -4,7 +4,8 @@ The same planning as :class:`fastdcp.FastFileSystemWriter` (files per rank, each
 image of segments by :mod:`fastdcp.save.file_image`; ``dcp.async_save`` staging), with the images
 uploaded by concurrent multipart uploads streamed from that memory (:mod:`.transfer`) instead of
 written by the native engine. The commit (:mod:`.commit`) is one PUT of the finished ``.metadata``
-after every rank's objects are complete: never a rename, a LIST or a COPY.
+after every rank's objects (and, for a save planned in bulk, its chunk index) are complete: never
+a rename, a LIST or a COPY.
 """
 
 from __future__ import annotations
@@ -229,11 +230,13 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
     # --- commit ------------------------------------------------------------------------------ #
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit (coordinator, after every rank's uploads completed): ``.metadata`` in one PUT,
-        then the objects of the checkpoint it replaced are deleted."""
+        """Commit (coordinator, after every rank's uploads completed): the chunk index (a save
+        planned in bulk) and then ``.metadata``, each in one PUT; then the objects of the
+        checkpoint it replaced are deleted."""
         new_files = self._complete_metadata(metadata, results)
         rank_local = self._rank_local()
         name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
+        token = self._save_token or self._claim_token()  # names the chunk index, as the data objects
         self._claimed_tokens = set()
         commit.commit_metadata(self._store(), self.location, name, metadata, new_files,
-                               create_only=not self.overwrite, options=self.s3_options)
+                               create_only=not self.overwrite, options=self.s3_options, token=token)

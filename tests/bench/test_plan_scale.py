@@ -422,6 +422,25 @@ def test_bars_print_at_the_scale_they_were_set_at(monkeypatch):
     assert any(line.strip().startswith("[PASS]") for line in lines)
 
 
+def test_on_object_storage_fastdcp_alone_is_simulated_with_its_s3_classes():
+    from types import SimpleNamespace
+
+    from fastdcp import FastS3Reader, FastS3Writer
+    from fastdcp.bench.plan_scale import _systems
+
+    notes: list[str] = []
+    systems = [SimpleNamespace(name=name, standin=False) for name in ("stock", "fastdcp")]
+    ctx = SimpleNamespace(cfg=config_from_args(["--plan-storage", "s3"]), note=notes.append, systems=systems)
+    (system,) = _systems(ctx)
+    assert system.name == "fastdcp" and system.object_storage
+    assert system.writer is FastS3Writer and system.reader is FastS3Reader
+    assert any("fastdcp only" in note for note in notes), notes
+    with pytest.raises(ValueError, match="needs s3:// location"):
+        from fastdcp.bench.plan_scale import PlanScaleSimulation
+
+        PlanScaleSimulation(system, 4, "/tmp/unused")
+
+
 def test_plan_scale_options():
     quick = config_from_args(["--quick"])
     assert "plan_scale" in QUICK_SCENARIOS and quick.plan_ranks == [4, 16]
@@ -431,6 +450,9 @@ def test_plan_scale_options():
     c = config_from_args(["--plan-workers", "3", "--plan-all-load-ranks", "64"])
     assert c.plan_workers == 3 and c.plan_all_load_ranks == 64
     assert config_from_args([]).plan_all_load_ranks == 4096 and config_from_args([]).plan_workers >= 1
-    for bad in (["--plan-ranks", "1,4"], ["--plan-budget", "-1"], ["--plan-workers", "0"], ["--plan-all-load-ranks", "0"]):
+    assert config_from_args([]).plan_storage == "local"
+    assert config_from_args(["--plan-storage", "s3"]).plan_storage == "s3"
+    for bad in (["--plan-ranks", "1,4"], ["--plan-budget", "-1"], ["--plan-workers", "0"],
+                ["--plan-all-load-ranks", "0"], ["--plan-storage", "gcs"]):
         with pytest.raises(SystemExit):
             config_from_args(bad)
