@@ -15,7 +15,11 @@ RATE = 40  # MiB/s
 
 def test_the_rate_is_shared_by_every_connection(tmp_path):
     with S3Endpoint(workdir=tmp_path, rate_mib_s=RATE) as endpoint:
-        s3 = endpoint._client()
+        import boto3
+
+        env = endpoint.env()
+        s3 = boto3.client("s3", endpoint_url=endpoint.endpoint, region_name=env["AWS_REGION"],
+                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
         s3.create_bucket(Bucket="rated")
         body = os.urandom(8 << 20)
         s3.put_object(Bucket="rated", Key="a", Body=body)
