@@ -64,13 +64,13 @@ def test_fastdcp_loads_what_stock_fsspec_writer_wrote(bucket, s3_env, thread_cou
 
 def test_a_save_sends_no_list_copy_or_rename_and_puts_metadata_last(bucket, s3_env, s3):
     url = f"s3://{bucket}/proto"
-    sd = {"big": torch.randn(3 << 20), "small": torch.arange(10)}  # 12 MiB: a multipart upload
+    sd = {"big": torch.randn(6 << 20), "small": torch.arange(10)}  # 24 MiB: a multipart upload
     s3_env.reset()
     dcp.save(sd, storage_writer=FastS3Writer(url), no_dist=True)
     counts = s3_env.stats()
     assert counts.get("LIST", 0) == 0 and counts.get("COPY", 0) == 0 and counts.get("DELETE", 0) == 0, counts
     assert counts["CREATE_MULTIPART"] == counts["COMPLETE_MULTIPART"] >= 1 and counts["PUT_PART"] >= 2, counts
-    assert counts["PUT"] == 1, counts  # .metadata: one file of 12 MiB went as a multipart upload
+    assert counts["PUT"] == 1, counts  # .metadata: one file of 24 MiB went as a multipart upload
     (data,) = keys(s3, bucket) - {"proto/.metadata"}  # no temp object
     assert data.endswith(".distcp")
 

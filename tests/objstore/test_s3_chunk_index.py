@@ -111,13 +111,13 @@ def test_an_overwrite_deletes_the_replaced_index(bucket, s3):
 
 def test_a_refused_index_upload_fails_the_save_naming_it_and_leaves_nothing_new(bucket, s3_env, s3):
     url = f"s3://{bucket}/refused"
-    previous = {"w": C.random_float((3 << 20,), ("refused", 0))}  # 12 MiB: the data goes as multipart parts
+    previous = {"w": C.random_float((6 << 20,), ("refused", 0))}  # 24 MiB: the data goes as multipart parts
     _save(url, previous)
     before = keys(s3, bucket)
     s3_env.fault("PUT", count=100, status=500)  # the first plain PUT after the data: the index
     try:
         with pytest.raises(CheckpointException, match=r"\.metadata\.[0-9a-f]{16}\.index"):
-            _save(url, {"w": torch.zeros(3 << 20)}, s3_options=IMPATIENT)
+            _save(url, {"w": torch.zeros(6 << 20)}, s3_options=IMPATIENT)
     finally:
         s3_env.reset()
     assert keys(s3, bucket) == before  # its data objects (and no index) deleted, .metadata untouched
@@ -187,7 +187,7 @@ def test_gc_keeps_the_live_index_and_lists_an_orphaned_one(bucket, s3_env, s3, m
     monkeypatch.setattr(commit, "upload_image", upload_then_cut)
     try:
         with pytest.raises(CheckpointException, match=r"\.metadata"):
-            _save(url, {"w": torch.zeros(3 << 20)}, s3_options=IMPATIENT)
+            _save(url, {"w": torch.zeros(6 << 20)}, s3_options=IMPATIENT)
     finally:
         s3_env.reset()
     left = {k.removeprefix("gc/") for k in keys(s3, bucket) - committed}

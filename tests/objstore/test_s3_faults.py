@@ -49,7 +49,8 @@ def test_throttled_requests_are_retried_and_the_checkpoint_is_whole(bucket, s3_e
     sd = _state(1)
     s3_env.fault("PUT_PART", count=3, status=503)
     s3_env.fault("PUT", count=1, status=503)  # the .metadata commit
-    dcp.save(sd, storage_writer=FastS3Writer(url), no_dist=True)
+    # 8 MiB parts: the 48 MiB state goes up in at least 6 parts, 3 of them refused first.
+    dcp.save(sd, storage_writer=FastS3Writer(url, s3_options=S3Options(part_bytes=8 << 20)), no_dist=True)
     counts = s3_env.stats()
     s3_env.fault("GET", count=3, status=503)
     _loads(url, sd)
