@@ -28,6 +28,13 @@ __all__ = ["ObjectFile", "ObjectReadEngine", "upload_image", "delete_objects", "
 # trip (~20 ms across a region), and 256 KiB more of a response costs ~3 ms at 90 MB/s.
 COALESCE_GAP = 256 << 10
 
+# Requests of at most this many bytes (blob headers, small tensors) are latency, not bandwidth:
+# up to SMALL_REQUEST_FANOUT times ``S3Options.concurrency`` of them are in flight at once (at
+# most MAX_SMALL_IN_FLIGHT), so a load's header pass costs one round trip, not several.
+SMALL_REQUEST_BYTES = 1 << 20
+SMALL_REQUEST_FANOUT = 4
+MAX_SMALL_IN_FLIGHT = 64
+
 _ZEROS = bytes(1 << 16)
 
 _pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
@@ -212,7 +219,10 @@ class ObjectReadEngine:
         if len(requests) == 1:
             _fetch(requests[0])
             return
-        pool = transfer_pool(self.options.concurrency)
+        concurrency = self.options.concurrency
+        if max(r.end - r.start for r in requests) <= SMALL_REQUEST_BYTES:
+            concurrency = max(concurrency, min(MAX_SMALL_IN_FLIGHT, SMALL_REQUEST_FANOUT * concurrency))
+        pool = transfer_pool(concurrency)
         wait_all([pool.submit(_fetch, request) for request in requests])
 
 
