@@ -1,7 +1,7 @@
 """Read-once loads (``FastFileSystemReader(read_once=True)``, ``fastdcp.load.read_once``): four
 gloo ranks on an HSDP-like mesh (2 replicas x 2 shards) load a checkpoint with each stored byte
-read once (every rank's read bytes counted by the reader), bit-exact, in the saved layout and
-resharded; pure sharding reads as without the mode; a rank whose reads fail fails the load on
+read once (every rank's read bytes counted by the reader), bit-exact, in the saved layout (with
+DCP's and with fastdcp's load planner) and resharded; pure sharding reads as without the mode; a rank whose reads fail fails the load on
 every rank, its replica naming it."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _rank_main(rank: int, store: str, path: str, case: str, out: str) -> None:
     if case == "sharded":  # every rank its own rows: nothing to share
         placements = {k: [Shard(0)] for k in full}
         dest = {k: distribute_tensor(torch.zeros_like(v), flat, placements[k]) for k, v in full.items()}
-    else:
+    else:  # "same", "planner" (fastdcp's load planner), "failing": the saved rows; "resharded": columns
         shard_dim = 1 if case == "resharded" else 0
         dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate(), Shard(min(shard_dim, v.dim() - 1))])
                 for k, v in full.items()}
@@ -64,7 +64,12 @@ def _rank_main(rank: int, store: str, path: str, case: str, out: str) -> None:
     reader = reader_class(path, read_once=True)
     result: dict = {"rank": rank}
     try:
-        dcp.load(dest, storage_reader=reader)
+        if case == "planner":
+            from fastdcp import FastLoadPlanner
+
+            dcp.load(dest, storage_reader=reader, planner=FastLoadPlanner())
+        else:
+            dcp.load(dest, storage_reader=reader)
         for k, v in full.items():
             C.assert_same(dest[k].full_tensor(), v, f"rank {rank} {k}")
         assert dest["step"] == 3
@@ -86,7 +91,7 @@ def _run(tmp_path, case: str) -> list[dict]:
     return [json.loads((out / f"{r}.json").read_text()) for r in range(4)]
 
 
-@pytest.mark.parametrize("case", ["same", "resharded"])
+@pytest.mark.parametrize("case", ["same", "resharded", "planner"])
 def test_replicas_read_each_stored_byte_once_and_load_bit_exact(tmp_path, case):
     results = _run(tmp_path, case)
     assert all("error" not in r for r in results), results
