@@ -17,15 +17,19 @@ How:
    member, so a member's reads stay together in the files; byte items (small, not tensors) are
    read by every member. A member reads only its own items, through the usual read path,
    straight into its destination tensors.
-3. **Status.** After its reads every member writes its status (ok, or its error) to the default
-   group's key-value store and waits for the other members' (at most ``timeout_s``): if a member
-   failed, every member fails naming it and its error; no rank waits for bytes that will not come.
-4. **Exchange.** The owner of each item sends its destination's bytes to the other members
-   (point-to-point on the default group, in item order, so sends and receives pair up), in rounds
-   of at most ``budget_bytes`` of staging: a contiguous destination receives in place, others
-   through a buffer; a CUDA destination is sent on the device when the default group's backend is
-   NCCL, through host memory otherwise. Received items are committed with
-   ``planner.commit_tensor`` as read ones are.
+3. **Rounds, reads overlapped with the exchange.** Each member's run is cut into chunks of at
+   most ``budget_bytes / R``; round k is every member's k-th chunk (:func:`_rounds`). A member reads
+   its chunk of round k+1 (on a reader thread, through the usual read path) while it exchanges
+   round k, so the storage is busy while the bytes travel between ranks.
+4. **Status.** Before each round's exchange every member writes its status (ok, or its read
+   error) to the default group's key-value store and waits for the other members' (at most
+   ``timeout_s``): if a member failed, every member fails naming it and its error; no rank waits
+   for bytes that will not come.
+5. **Exchange.** The owner of each item of the round sends its destination's bytes to the other
+   members (point-to-point on the default group, in item order, so sends and receives pair up): a
+   contiguous destination receives in place, others through a buffer; a CUDA destination is sent
+   on the device when the default group's backend is NCCL, through host memory otherwise.
+   Received items are committed with ``planner.commit_tensor`` as read ones are.
 
 Memory: at most ``budget_bytes`` of buffers per rank per round (only for destinations that are not
 contiguous, or on a device the backend cannot send from). Every wait is bounded by ``timeout_s``:
@@ -153,6 +157,21 @@ class _Shared:
     nbytes: int
 
 
+def _rounds(shared: list[_Shared], members: tuple[int, ...], budget: int) -> list[list[_Shared]]:
+    """The group's items in exchange rounds: each member's run (consecutive items in storage order)
+    cut into chunks of at most ``budget / len(members)`` bytes (at least one item each); round k
+    holds every member's k-th chunk. The same on every member."""
+    per_member = max(1, budget // len(members))
+    runs: dict[int, list[list[_Shared]]] = {m: [] for m in members}
+    for item in shared:
+        chunks = runs[item.owner]
+        if not chunks or (sum(s.nbytes for s in chunks[-1]) + item.nbytes > per_member and chunks[-1]):
+            chunks.append([])
+        chunks[-1].append(item)
+    depth = max((len(c) for c in runs.values()), default=0)
+    return [[item for m in members if k < len(runs[m]) for item in runs[m][k]] for k in range(depth)]
+
+
 @dataclass
 class ReadOnceShare:
     """This rank's part of a read-once load (see the module docstring).
@@ -160,21 +179,21 @@ class ReadOnceShare:
     Args:
         group: the replica group the coordinator handed this rank.
         rank: this rank in the default group.
-        own_items: the items this rank reads itself.
-        shared: the group's tensor items with their owners, in storage order.
-        budget_bytes: staging of one exchange round; timeout_s: the longest wait.
+        byte_items: the plan's byte items (every member reads them, with its first round).
+        rounds: the group's tensor items with their owners, in exchange rounds (:func:`_rounds`).
+        budget_bytes: the bytes of one round; timeout_s: the longest wait.
     """
 
     group: ReplicaGroup
     rank: int
-    own_items: list[ReadItem]
-    shared: list[_Shared] = field(default_factory=list)
+    byte_items: list[ReadItem]
+    rounds: list[list[_Shared]] = field(default_factory=list)
     budget_bytes: int = DEFAULT_EXCHANGE_BYTES
     timeout_s: float = DEFAULT_EXCHANGE_TIMEOUT_S
 
     @classmethod
     def deal(cls, items: list[ReadItem], planner: LoadPlanner, group: ReplicaGroup, where: Any, *,
-             budget_bytes: int = DEFAULT_EXCHANGE_BYTES, timeout_s: float | None = None) -> "ReadOnceShare":
+             budget_bytes: int | None = None, timeout_s: float | None = None) -> "ReadOnceShare":
         """This rank's share of ``items`` (the plan every member of ``group`` has); ``where(item)``
         gives an item's place in storage (file, offset) to deal the items in storage order."""
         rank = dist.get_rank()
@@ -186,44 +205,41 @@ class ReadOnceShare:
             sizes.append(target.numel() * target.element_size())
         owners = deal_items(sizes, len(group.members))
         shared = [_Shared(items[i], group.members[m], n) for i, m, n in zip(tensor_items, owners, sizes)]
-        mine = {id(s.item) for s in shared if s.owner == rank}
-        own = [item for item in items if item.type == LoadItemType.BYTE_IO or id(item) in mine]
-        return cls(group, rank, own, shared, budget_bytes,
+        byte_items = [item for item in items if item.type == LoadItemType.BYTE_IO]
+        budget = DEFAULT_EXCHANGE_BYTES if budget_bytes is None else int(budget_bytes)
+        return cls(group, rank, byte_items, _rounds(shared, group.members, budget), budget,
                    DEFAULT_EXCHANGE_TIMEOUT_S if timeout_s is None else float(timeout_s))
+
+    def own_items(self, k: int) -> list[ReadItem]:
+        """What this rank reads for round ``k`` (its chunk of the round; the byte items with round 0)."""
+        own = [s.item for s in self.rounds[k] if s.owner == self.rank] if k < len(self.rounds) else []
+        return (self.byte_items + own) if k == 0 else own
 
     @property
     def read_bytes(self) -> int:
         """Tensor bytes this rank reads itself."""
-        return sum(s.nbytes for s in self.shared if s.owner == self.rank)
+        return sum(s.nbytes for r in self.rounds for s in r if s.owner == self.rank)
 
     @property
     def received_bytes(self) -> int:
         """Tensor bytes this rank receives from the other members."""
-        return sum(s.nbytes for s in self.shared if s.owner != self.rank)
+        return sum(s.nbytes for r in self.rounds for s in r if s.owner != self.rank)
 
-    # --- after the reads ------------------------------------------------------------------------ #
+    # --- after each round's reads --------------------------------------------------------------- #
 
-    def finish(self, planner: LoadPlanner, error: BaseException | None) -> None:
-        """Publish this rank's status and wait for the other members' (see the module docstring),
-        then send and receive the group's items. Raises this rank's ``error``, or a
+    def exchange(self, k: int, planner: LoadPlanner, error: BaseException | None) -> None:
+        """Round ``k``: publish this rank's status and wait for the other members' (see the module
+        docstring), then send and receive the round's items. Raises this rank's ``error``, or a
         :class:`ReadOnceError` naming the member that failed."""
-        self._statuses(error)
+        self._statuses(k, error)
         if error is not None:
             raise error
-        batch: list[_Shared] = []
-        staged = 0
-        for shared in self.shared:
-            if batch and staged + shared.nbytes > self.budget_bytes:
-                self._send_and_receive(planner, batch)
-                batch, staged = [], 0
-            batch.append(shared)
-            staged += shared.nbytes
-        if batch:
-            self._send_and_receive(planner, batch)
+        if k < len(self.rounds):
+            self._send_and_receive(planner, self.rounds[k])
 
-    def _statuses(self, error: BaseException | None) -> None:
+    def _statuses(self, k: int, error: BaseException | None) -> None:
         store = _store()
-        base = self.group.token
+        base = f"{self.group.token}/{k}"
         message = "" if error is None else f"{type(error).__name__}: {error}"
         store.set(f"{base}/{self.rank}", ("!" + message) if error is not None else "ok")
         others = [r for r in self.group.members if r != self.rank]
@@ -231,14 +247,14 @@ class ReadOnceShare:
         try:
             store.wait(keys, timedelta(seconds=self.timeout_s))
         except Exception as wait_error:  # noqa: BLE001 - a store timeout: named below
-            missing = [r for r, k in zip(others, keys) if not store.check([k])]
+            missing = [r for r, key in zip(others, keys) if not store.check([key])]
             raise ReadOnceError(f"read-once load: rank {self.rank} waited more than {self.timeout_s:g} s for ranks "
                                 f"{missing} of its replica group {list(self.group.members)} to finish their reads"
                                 ) from (error or wait_error)
         if error is not None:
             return
-        for r, k in zip(others, keys):
-            value = store.get(k).decode()
+        for r, key in zip(others, keys):
+            value = store.get(key).decode()
             if value != "ok":
                 raise ReadOnceError(f"read-once load: rank {r} of this rank's replica group {list(self.group.members)} "
                                     f"failed its reads, so its items cannot be sent: {value[1:]}")

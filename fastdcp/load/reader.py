@@ -39,6 +39,7 @@ import resource
 import time
 import traceback
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import Any
 
@@ -218,10 +219,10 @@ class FastFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """This rank's reads. With the load's check-ins (see :meth:`read_metadata`), its status
         names the files it reads, and after its reads (also failed ones) it waits for every rank.
-        In a read-once replica group it reads its share, then exchanges the rest with the group."""
+        In a read-once replica group it reads its share in rounds, each exchanged with the group
+        while the next is read."""
         check_ins, self._check_ins = self._check_ins, None
         identity = plan.storage_data
-        share = None
         if isinstance(identity, _SaveIdentity) and identity.group is not None:
             storage_data = self.storage_data
 
@@ -231,27 +232,56 @@ class FastFileSystemReader(FileSystemReader):
 
             share = ReadOnceShare.deal(list(plan.items), planner, identity.group, where,
                                        timeout_s=self.load_deadline_s)
-            plan = dataclasses.replace(plan, items=share.own_items)
-            self.last_stats = {}  # a member may own no item: no read fills it
-        error: BaseException | None = None
+            return self._read_once(plan, planner, share, check_ins)
         try:
-            try:
-                result = self._read_data(plan, planner, check_ins)
-            finally:
-                if check_ins is not None:
-                    check_ins.check_in(END)  # every rank finished reading (raises past the deadline)
-        except LoadDeadlineError:
-            raise  # the same verdict on every rank: nobody exchanges
-        except BaseException as e:
-            if share is None:
-                raise
-            error = e
-        if share is not None:
-            stats = self.last_stats if error is None else {}
-            share.finish(planner, error)
-            stats.update(read_once_replicas=len(share.group.members), read_once_read_bytes=share.read_bytes,
-                         read_once_received_bytes=share.received_bytes)
-        return result
+            return self._read_data(plan, planner, check_ins)
+        finally:
+            if check_ins is not None:
+                check_ins.check_in(END)  # every rank finished reading (raises past the deadline)
+
+    def _read_once(self, plan: LoadPlan, planner: LoadPlanner, share: ReadOnceShare,
+                   check_ins: LoadCheckIns | None) -> Future[None]:
+        """A read-once load's rounds (:mod:`fastdcp.load.read_once`): round k+1's own items read on
+        a reader thread while round k is exchanged; after the last round (or a failure) every rank
+        checks in as after its reads."""
+        totals: dict[str, Any] = {}
+
+        def read(k: int) -> dict[str, Any]:
+            self.last_stats = {}  # a round without items of this rank reads nothing
+            self._read_data(dataclasses.replace(plan, items=share.own_items(k)), planner, None)
+            return dict(self.last_stats)
+
+        rounds = max(1, len(share.rounds))
+        reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdcp-read-once")
+        pending: Any = reader.submit(read, 0)
+        try:
+            for k in range(rounds):
+                error: BaseException | None = None
+                try:
+                    for name, value in pending.result().items():
+                        if isinstance(value, (int, float)) and not isinstance(value, bool):
+                            totals[name] = totals.get(name, 0) + value
+                        else:
+                            totals[name] = value
+                except BaseException as e:  # noqa: BLE001 - published to the group, then raised
+                    error = e
+                pending = reader.submit(read, k + 1) if error is None and k + 1 < rounds else None
+                share.exchange(k, planner, error)
+        finally:
+            if pending is not None:
+                try:
+                    pending.result()  # no read may still write into a destination
+                except BaseException:  # noqa: BLE001 - the error raised above is the one to report
+                    pass
+            reader.shutdown(wait=True)
+            if check_ins is not None:
+                check_ins.check_in(END)  # every rank finished reading (raises past the deadline)
+        totals.update(read_once_replicas=len(share.group.members), read_once_read_bytes=share.read_bytes,
+                      read_once_received_bytes=share.received_bytes, read_once_rounds=len(share.rounds))
+        self.last_stats = totals
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner, check_ins: LoadCheckIns | None) -> Future[None]:
         self.last_read_mode = None  # set by the native reads, if this load has any

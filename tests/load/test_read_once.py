@@ -50,7 +50,7 @@ def _rank_main(rank: int, store: str, path: str, case: str, out: str) -> None:
     if case == "sharded":  # every rank its own rows: nothing to share
         placements = {k: [Shard(0)] for k in full}
         dest = {k: distribute_tensor(torch.zeros_like(v), flat, placements[k]) for k, v in full.items()}
-    else:  # "same", "planner" (fastdcp's load planner), "failing": the saved rows; "resharded": columns
+    else:  # "same", "planner" (fastdcp's load planner), "rounds", "failing": the saved rows; "resharded": columns
         shard_dim = 1 if case == "resharded" else 0
         dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate(), Shard(min(shard_dim, v.dim() - 1))])
                 for k, v in full.items()}
@@ -60,6 +60,10 @@ def _rank_main(rank: int, store: str, path: str, case: str, out: str) -> None:
         def _read_native(self, per_file, planner):
             raise OSError(f"the disk under rank {rank} went away")
 
+    if case == "rounds":  # exchange rounds of 8 KiB: many rounds, each read while the one before is sent
+        import fastdcp.load.read_once as read_once
+
+        read_once.DEFAULT_EXCHANGE_BYTES = 8 << 10
     reader_class = FailingReader if case == "failing" and rank == 2 else FastFileSystemReader
     reader = reader_class(path, read_once=True)
     result: dict = {"rank": rank}
@@ -91,7 +95,7 @@ def _run(tmp_path, case: str) -> list[dict]:
     return [json.loads((out / f"{r}.json").read_text()) for r in range(4)]
 
 
-@pytest.mark.parametrize("case", ["same", "resharded", "planner"])
+@pytest.mark.parametrize("case", ["same", "resharded", "planner", "rounds"])
 def test_replicas_read_each_stored_byte_once_and_load_bit_exact(tmp_path, case):
     results = _run(tmp_path, case)
     assert all("error" not in r for r in results), results
@@ -101,6 +105,7 @@ def test_replicas_read_each_stored_byte_once_and_load_bit_exact(tmp_path, case):
         # What a rank holds = what it read + what its replica sent it.
         assert stats["read_once_read_bytes"] + stats["read_once_received_bytes"] == r["local_bytes"], stats
         assert stats["read_once_read_bytes"] < r["local_bytes"], stats
+        assert (stats["read_once_rounds"] > 1) == (case == "rounds"), stats  # one item a chunk: 2-3 rounds
     needed_once = sum(v.numel() * v.element_size() for v in _full().values())
     read_tensor_bytes = sum(r["stats"]["read_once_read_bytes"] for r in results)
     assert read_tensor_bytes == needed_once  # each stored tensor byte read once by the job
