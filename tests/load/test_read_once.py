@@ -26,7 +26,12 @@ def _full() -> dict[str, torch.Tensor]:
             "b": C.random_tensor(torch.float32, (ROWS,), ("read-once", "b"))}
 
 
-def _rank_main(rank: int, store: str, path: str, case: str, out: str) -> None:
+CASES = ("same", "resharded", "planner", "rounds", "sharded", "failing")
+
+
+def _rank_main(rank: int, store: str, path: str, out: str) -> None:
+    """One process group for every case (one spawn: each costs seconds): the checkpoint saved once,
+    then one load per case, each rank's result per case written to ``out``."""
     import datetime
 
     import torch.distributed as dist
@@ -34,7 +39,8 @@ def _rank_main(rank: int, store: str, path: str, case: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from fastdcp import FastFileSystemReader, FastFileSystemWriter
+    import fastdcp.load.read_once as read_once
+    from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner
     from fastdcp.bench.process_group import exit_spawned_rank
 
     torch.set_num_threads(1)
@@ -47,57 +53,54 @@ def _rank_main(rank: int, store: str, path: str, case: str, out: str) -> None:
     saved["step"] = 3
     dcp.save(saved, storage_writer=FastFileSystemWriter(path))
 
-    if case == "sharded":  # every rank its own rows: nothing to share
-        placements = {k: [Shard(0)] for k in full}
-        dest = {k: distribute_tensor(torch.zeros_like(v), flat, placements[k]) for k, v in full.items()}
-    else:  # "same", "planner" (fastdcp's load planner), "rounds", "failing": the saved rows; "resharded": columns
-        shard_dim = 1 if case == "resharded" else 0
-        dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate(), Shard(min(shard_dim, v.dim() - 1))])
-                for k, v in full.items()}
-    dest["step"] = 0
-
     class FailingReader(FastFileSystemReader):
         def _read_native(self, per_file, planner):
             raise OSError(f"the disk under rank {rank} went away")
 
-    if case == "rounds":  # exchange rounds of 8 KiB: many rounds, each read while the one before is sent
-        import fastdcp.load.read_once as read_once
-
-        read_once.DEFAULT_EXCHANGE_BYTES = 8 << 10
-    reader_class = FailingReader if case == "failing" and rank == 2 else FastFileSystemReader
-    reader = reader_class(path, read_once=True)
-    result: dict = {"rank": rank}
-    try:
-        if case == "planner":
-            from fastdcp import FastLoadPlanner
-
-            dcp.load(dest, storage_reader=reader, planner=FastLoadPlanner())
-        else:
-            dcp.load(dest, storage_reader=reader)
-        for k, v in full.items():
-            C.assert_same(dest[k].full_tensor(), v, f"rank {rank} {k}")
-        assert dest["step"] == 3
-        result["stats"] = {k: v for k, v in reader.last_stats.items() if isinstance(v, (int, float))}
-        result["local_bytes"] = sum(t.to_local().numel() * t.element_size() for k, t in dest.items() if k != "step")
-    except CheckpointException as error:
-        result["error"] = str(error)
-    with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(result, f)
+    default_budget = read_once.DEFAULT_EXCHANGE_BYTES
+    for case in CASES:
+        if case == "sharded":  # every rank its own rows: nothing to share
+            dest = {k: distribute_tensor(torch.zeros_like(v), flat, [Shard(0)]) for k, v in full.items()}
+        else:  # the saved rows as 2 shards x 2 replicas; "resharded": columns
+            dim = 1 if case == "resharded" else 0
+            dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate(), Shard(min(dim, v.dim() - 1))])
+                    for k, v in full.items()}
+        dest["step"] = 0
+        # "rounds": exchange rounds of 8 KiB, many rounds, each read while the one before is sent.
+        read_once.DEFAULT_EXCHANGE_BYTES = 8 << 10 if case == "rounds" else default_budget
+        reader_class = FailingReader if case == "failing" and rank == 2 else FastFileSystemReader
+        reader = reader_class(path, read_once=True)
+        planner = FastLoadPlanner() if case == "planner" else None
+        result: dict = {"rank": rank}
+        try:
+            dcp.load(dest, storage_reader=reader, planner=planner)
+            for k, v in full.items():
+                C.assert_same(dest[k].full_tensor(), v, f"rank {rank} {k}")
+            assert dest["step"] == 3
+            result["stats"] = {k: v for k, v in reader.last_stats.items() if isinstance(v, (int, float))}
+            result["local_bytes"] = sum(t.to_local().numel() * t.element_size() for k, t in dest.items()
+                                        if k != "step")
+        except CheckpointException as error:
+            result["error"] = str(error)
+        with open(os.path.join(out, f"{case}-{rank}.json"), "w") as f:
+            json.dump(result, f)
     dist.destroy_process_group()
     exit_spawned_rank()
 
 
-def _run(tmp_path, case: str) -> list[dict]:
-    out = tmp_path / f"out-{case}"
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every case's per-rank results, from one four-rank run."""
+    tmp = tmp_path_factory.mktemp("read_once")
+    out = tmp / "out"
     out.mkdir()
-    mp.spawn(_rank_main, args=(str(tmp_path / f"pg-{case}"), str(tmp_path / f"ckpt-{case}"), case, str(out)),
-             nprocs=4, join=True)
-    return [json.loads((out / f"{r}.json").read_text()) for r in range(4)]
+    mp.spawn(_rank_main, args=(str(tmp / "pg"), str(tmp / "ckpt"), str(out)), nprocs=4, join=True)
+    return {case: [json.loads((out / f"{case}-{r}.json").read_text()) for r in range(4)] for case in CASES}
 
 
 @pytest.mark.parametrize("case", ["same", "resharded", "planner", "rounds"])
-def test_replicas_read_each_stored_byte_once_and_load_bit_exact(tmp_path, case):
-    results = _run(tmp_path, case)
+def test_replicas_read_each_stored_byte_once_and_load_bit_exact(results, case):
+    results = results[case]
     assert all("error" not in r for r in results), results
     for r in results:
         stats = r["stats"]
@@ -114,14 +117,14 @@ def test_replicas_read_each_stored_byte_once_and_load_bit_exact(tmp_path, case):
     assert fetched <= 1.05 * needed_once + 64 * 1024, (fetched, needed_once)
 
 
-def test_pure_sharding_reads_as_without_the_mode(tmp_path):
-    results = _run(tmp_path, "sharded")
+def test_pure_sharding_reads_as_without_the_mode(results):
+    results = results["sharded"]
     assert all("error" not in r for r in results), results
     assert all("read_once_replicas" not in r["stats"] for r in results), results
 
 
-def test_a_rank_whose_reads_fail_fails_the_load_on_every_rank_naming_it(tmp_path):
-    results = _run(tmp_path, "failing")
+def test_a_rank_whose_reads_fail_fails_the_load_on_every_rank_naming_it(results):
+    results = results["failing"]
     assert all("error" in r for r in results), results
     assert "the disk under rank 2 went away" in results[2]["error"]
     # Rank 0 is rank 2's replica: it names rank 2 and its error rather than waiting for its bytes.
