@@ -5,6 +5,7 @@ so code that reads a destination before waiting for its copy reads 0xEE bytes.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -43,3 +44,20 @@ class DeferredCopier:
             else:
                 still.append((t, dst, src))
         self.pending = still
+
+
+@pytest.fixture
+def cpu_as_device(monkeypatch):
+    """Route every CPU tensor of a fastdcp save (local or object storage) through the pinned ring,
+    with a :class:`DeferredCopier` per ring; the copiers made, for the test to inspect."""
+    import fastdcp.save.writer as writer_module
+
+    copiers: list[DeferredCopier] = []
+
+    def make():
+        copiers.append(DeferredCopier())
+        return copiers[-1]
+
+    monkeypatch.setattr(writer_module, "_stays_on_device", lambda t: True)
+    monkeypatch.setattr(writer_module, "_make_copier", make)
+    return copiers

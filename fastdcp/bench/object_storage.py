@@ -32,12 +32,10 @@ Every load is checked bit-exact. Each sample records the requests the proxy coun
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,10 +44,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .process_group import exit_spawned_rank, free_port
+from .process_group import free_port, rank_records, spawn_ranks
 from .results import GIB, Result
 from .s3_endpoint import S3Endpoint, S3EndpointUnavailable
-from .state import (StateSpec, VerificationError, build_destination, build_state, compare_tensor, llm_like_spec,
+from .state import (StateSpec, VerificationError, build_destination, build_state, llm_like_spec, local_mismatch,
                     scribble, verify_state)
 
 __all__ = ["run_s3", "S3_SYSTEMS"]
@@ -176,8 +174,7 @@ def _reshard_rank(rank: int, job: _ReshardJob, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=10))
-    records: list[dict[str, Any]] = []
-    try:
+    with rank_records(job.out_path, rank) as records:
         mesh = init_device_mesh("cpu", (2,))
         dest, expected = _local_state(job.spec, mesh, 1, rank, 2, fill=False)
         for rep in range(job.repeats):
@@ -189,34 +186,12 @@ def _reshard_rank(rank: int, job: _ReshardJob, port: int) -> None:
                 dist.barrier()
                 seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-                error = None
-                try:
-                    for name, exp in expected.items():
-                        local = dest[name].to_local() if hasattr(dest[name], "to_local") else dest[name]
-                        compare_tensor(name, exp, local, f"s3/reshard/{system}/rank{rank}")
-                except VerificationError as e:
-                    error = str(e)
+                error = local_mismatch(expected, dest, f"s3/reshard/{system}/rank{rank}")
                 records.append({"system": system, "rep": rep, "seconds": float(seconds[0]), "error": error})
-    except BaseException:  # noqa: BLE001 - reported through the file
-        records.append({"system": "?", "rep": -1, "seconds": 0.0, "error": traceback.format_exc()})
-    finally:
-        with open(f"{job.out_path}.{rank}", "w") as f:
-            json.dump(records, f)
-        dist.destroy_process_group()
-    exit_spawned_rank()
 
 
 def _run_reshard(job: _ReshardJob) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_reshard_rank, args=(job, free_port()), nprocs=2, join=True, start_method="spawn")
-    out: list[dict[str, Any]] = []
-    for rank in range(2):
-        with open(f"{job.out_path}.{rank}") as f:
-            for record in json.load(f):
-                record["rank"] = rank
-                out.append(record)
-    return out
+    return spawn_ranks(_reshard_rank, (job, free_port()), 2, job.out_path)
 
 
 # --- the scenario ----------------------------------------------------------------------------- #

@@ -97,3 +97,48 @@ def exit_spawned_rank(status: int = 0) -> NoReturn:
         except BaseException:  # noqa: BLE001 - a closed stream has nothing to flush
             pass
     os._exit(status)
+
+
+def spawn_ranks(main: Any, args: tuple, world: int, out_path: str) -> list[dict[str, Any]]:
+    """Run ``main(rank, *args)`` in ``world`` spawned processes, then return the records each rank
+    wrote (:func:`rank_records`) to ``{out_path}.{rank}``, each with its ``rank``."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(main, args=args, nprocs=world, join=True, start_method="spawn")
+    out: list[dict[str, Any]] = []
+    for rank in range(world):
+        with open(f"{out_path}.{rank}") as f:
+            for record in json.load(f):
+                record["rank"] = rank
+                out.append(record)
+    return out
+
+
+class rank_records:
+    """In a spawned rank: ``with rank_records(out_path, rank) as records:`` collects the rank's
+    records; at the end (an error becomes a record with its traceback) they are written to
+    ``{out_path}.{rank}``, the default process group is destroyed and the process ends
+    (:func:`exit_spawned_rank`)."""
+
+    def __init__(self, out_path: str, rank: int) -> None:
+        self.path = f"{out_path}.{rank}"
+        self.records: list[dict[str, Any]] = []
+
+    def __enter__(self) -> list[dict[str, Any]]:
+        return self.records
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+        import json
+
+        import torch.distributed as dist
+
+        if error is not None:
+            self.records.append({"system": "?", "rep": -1, "seconds": 0.0,
+                                 "error": "".join(traceback.format_exception(kind, error, tb))})
+        with open(self.path, "w") as f:
+            json.dump(self.records, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        exit_spawned_rank()

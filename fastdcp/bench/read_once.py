@@ -31,7 +31,6 @@ import os
 import shutil
 import tempfile
 import time
-import traceback
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -41,10 +40,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .process_group import exit_spawned_rank, free_port
+from .process_group import free_port, rank_records, spawn_ranks
 from .reshard import _box
 from .s3_endpoint import S3Endpoint, S3EndpointUnavailable
-from .state import StateSpec, VerificationError, compare_tensor, fill_box, llm_like_spec, make_tensor, scribble
+from .state import StateSpec, VerificationError, fill_box, llm_like_spec, local_mismatch, make_tensor, scribble
 
 __all__ = ["run_read_once", "READ_ONCE_SYSTEMS"]
 
@@ -116,8 +115,7 @@ def _rank(rank: int, job: _Job, port: int) -> None:
     torch.set_num_threads(1)
     world = SHARDS * job.replicas
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    records: list[dict[str, Any]] = []
-    try:
+    with rank_records(job.out_path, rank) as records:
         mesh = init_device_mesh("cpu", (job.replicas, SHARDS), mesh_dim_names=("replicate", "shard"))
         shard = rank % SHARDS
         if job.save:
@@ -141,37 +139,14 @@ def _rank(rank: int, job: _Job, port: int) -> None:
                 seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
                 served = _control(job.endpoint, "stats")["bytes_down"] if rank == 0 else 0
-                error = None
-                try:
-                    for name, exp in expected.items():
-                        local = dest[name].to_local() if hasattr(dest[name], "to_local") else dest[name]
-                        compare_tensor(name, exp, local, f"read_once/{system}/R{job.replicas}/rank{rank}")
-                except VerificationError as e:
-                    error = str(e)
+                error = local_mismatch(expected, dest, f"read_once/{system}/R{job.replicas}/rank{rank}")
                 stats = getattr(reader, "last_stats", {}) or {}
                 records.append({"system": system, "rep": rep, "seconds": float(seconds[0]), "error": error,
                                 "served": served, "read_once_replicas": stats.get("read_once_replicas")})
-    except BaseException:  # noqa: BLE001 - reported through the file
-        records.append({"system": "?", "rep": -1, "seconds": 0.0, "error": traceback.format_exc()})
-    finally:
-        with open(f"{job.out_path}.{rank}", "w") as f:
-            json.dump(records, f)
-        dist.destroy_process_group()
-    exit_spawned_rank()
 
 
 def _run(job: _Job) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    world = SHARDS * job.replicas
-    mp.start_processes(_rank, args=(job, free_port()), nprocs=world, join=True, start_method="spawn")
-    out: list[dict[str, Any]] = []
-    for rank in range(world):
-        with open(f"{job.out_path}.{rank}") as f:
-            for record in json.load(f):
-                record["rank"] = rank
-                out.append(record)
-    return out
+    return spawn_ranks(_rank, (job, free_port()), SHARDS * job.replicas, job.out_path)
 
 
 def run_read_once(ctx: Any, wheres: list[str]) -> None:

@@ -306,6 +306,18 @@ def compare_tensor(name: str, expected: torch.Tensor, actual: Any, where: str) -
             f"differ, first at byte {first} (expected 0x{int(eb[first]):02x}, got 0x{int(ab[first]):02x})")
 
 
+
+def local_mismatch(expected: dict[str, torch.Tensor], loaded: dict[str, Any], where: str) -> str | None:
+    """None when every loaded tensor (a DTensor's local shard, or a tensor) equals its expected
+    local tensor bit for bit, else what differs (:func:`compare_tensor`'s message)."""
+    try:
+        for name, exp in expected.items():
+            local = loaded[name].to_local() if hasattr(loaded[name], "to_local") else loaded[name]
+            compare_tensor(name, exp, local, where)
+    except VerificationError as error:
+        return str(error)
+    return None
+
 def verify_state(expected: dict[str, Any], actual: dict[str, Any], where: str) -> None:
     """Bit-exact comparison of every entry (tensors by byte views, objects by ==)."""
     missing = [k for k in expected if k not in actual]

@@ -17,9 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_cases as C
-import fastdcp.save.writer as disk_writer
 from s3_cases import keys
-from stand_in_copier import DeferredCopier
+from stand_in_copier import DeferredCopier, cpu_as_device  # noqa: F401 - a fixture
 from fastdcp import FastS3Reader, FastS3Writer, S3Options
 from fastdcp.io.copy_engine import is_standin_device_tensor, to_standin_device
 from fastdcp.io.pinned_pool import pinned_pool_stats
@@ -29,20 +28,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 PART = 5 << 20  # S3's smallest part: many parts, many slot reuses
 SMALL_PARTS = S3Options(part_bytes=PART, concurrency=4)
-
-
-@pytest.fixture
-def cpu_as_device(monkeypatch):
-    """Route every CPU tensor of a save through the ring, with deferred copies."""
-    copiers: list[DeferredCopier] = []
-
-    def make():
-        copiers.append(DeferredCopier())
-        return copiers[-1]
-
-    monkeypatch.setattr(disk_writer, "_stays_on_device", lambda t: True)
-    monkeypatch.setattr(disk_writer, "_make_copier", make)
-    return copiers
 
 
 def _state(seed: int) -> dict:

@@ -16,8 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_cases as C
-import fastdcp.save.writer as writer_module
-from stand_in_copier import DeferredCopier
+from stand_in_copier import DeferredCopier, cpu_as_device  # noqa: F401 - a fixture
 from fastdcp import FastFileSystemWriter, _C
 from fastdcp.save.device_ring import DeviceRing, cut_ranges, interleave, write_device_images
 from fastdcp.save.writer import ring_shape
@@ -25,20 +24,6 @@ from fastdcp.io.engine import DIRECT_ALIGN, IoOptions, get_engine
 from fastdcp.io.pinned_pool import pinned_pool_stats, reset_pinned_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture
-def cpu_as_device(monkeypatch):
-    """Route every CPU tensor of a FastFileSystemWriter save through the ring."""
-    copiers: list[DeferredCopier] = []
-
-    def make():
-        copiers.append(DeferredCopier())
-        return copiers[-1]
-
-    monkeypatch.setattr(writer_module, "_stays_on_device", lambda t: True)
-    monkeypatch.setattr(writer_module, "_make_copier", make)
-    return copiers
 
 
 def _image(size: int, segments: list[tuple], device: list[tuple[int, torch.Tensor]]) -> bytes:
