@@ -267,9 +267,12 @@ def test_a_fast_device_reaches_the_step_time_with_micro_batches(monkeypatch):
     passes = []
     real = trainer.forward_backward
     monkeypatch.setattr(trainer, "forward_backward", lambda: (passes.append(1), real())[1])
-    step = trainer.calibrate(target_s=0.2)
+    # The asked-for step is 8 largest batches long on this machine, however busy it is.
+    trainer.set_batch(32)
+    target = max(0.2, 8 * min(trainer.timed_steps(3)))
+    step = trainer.calibrate(target_s=target)
     assert trainer.batch == 32 and trainer.micro_steps > 1
-    assert step >= 0.05, f"{step * 1e3:.1f} ms: the micro-batches did not lengthen the step"
+    assert step >= target / 4, f"{step * 1e3:.1f} ms: the micro-batches did not lengthen the step"
     passes.clear()
     trainer.step()
     assert len(passes) == trainer.micro_steps
