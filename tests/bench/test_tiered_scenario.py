@@ -64,7 +64,9 @@ def test_the_tiered_scenario_records_every_system_and_verifies_every_tier(tmp_pa
         elif name == "fastdcp_tiered":
             # committed locally first, durable in the shared directory later, by the drain
             assert len(durable) == checkpoints
-            assert all(d >= c for d, c in zip(durable, committed)), (durable, committed)
+            # Both times are noted by callbacks: the drain's can run before the one that resolves
+            # upload_completion after the local commit, so allow that race's width.
+            assert all(d >= c - 0.05 for d, c in zip(durable, committed)), (durable, committed)
             assert ex["shared_drain_s"][0] >= 0 and ex["local_tier_bytes"][0] > 0
             # each checkpoint from the shared directory, from its local copy, and through FastTieredReader
             assert ex["verified_loads"] == [3 * checkpoints] and ex["local_copies_unverified"] == [0]
