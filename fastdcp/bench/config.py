@@ -91,6 +91,7 @@ class BenchConfig:
     plan_all_load_ranks: int = 4096         # plan_scale: above this N, only the sample ranks' loads
     plan_workers: int = field(default_factory=lambda: os.cpu_count() or 1)  # plan_scale: unmeasured ranks' processes
     plan_storage: str = "local"             # plan_scale: where the checkpoints go: local (a directory) or s3
+    plan_replicas: int = 1                  # plan_scale: R, the load's replication (N/R shards x R replicas)
     s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
     s3_size: int = 1 * GiB                  # s3: state size (moto takes ~0.1 GiB/s: 1 GiB is ~25 min)
     read_once_size: int = 128 * MiB         # read_once: state size
@@ -213,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan_scale: where the simulated job's checkpoint goes: local (a directory, default) or s3 "
                         "(fastdcp alone, FastS3Writer/FastS3Reader on a local S3 server: what a resuming rank "
                         "fetches by ranged GETs)")
+    p.add_argument("--plan-replicas", type=int, metavar="R",
+                   help="plan_scale: also load the checkpoint HSDP-like, its state sharded over N/R ranks and "
+                        "replicated R times (rank r holds shard r %% (N/R); the save stays N-way sharded), and "
+                        "report the tensor bytes each rank reads from storage without and with read-once; each N "
+                        "must be a multiple of R (default 1: no replicated load)")
     p.add_argument("--s3-size", type=parse_size,
                    help="s3: state size (default the smaller of --size and 1GiB: the test server takes ~0.1 GiB/s)")
     p.add_argument("--read-once-size", type=parse_size,
@@ -376,6 +382,13 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
             setattr(c, name, value)
     if a.plan_storage is not None:
         c.plan_storage = a.plan_storage
+    if a.plan_replicas is not None:
+        if a.plan_replicas < 1:
+            parser.error("--plan-replicas must be >= 1")
+        c.plan_replicas = a.plan_replicas
+    if c.plan_replicas > 1 and any(n % c.plan_replicas for n in c.plan_ranks):
+        parser.error(f"--plan-replicas {c.plan_replicas}: every --plan-ranks count must be a multiple of it, not "
+                     f"{[n for n in c.plan_ranks if n % c.plan_replicas]}")
     if a.plan_budget is not None:
         if a.plan_budget < 0:
             parser.error("--plan-budget must be >= 0")

@@ -24,7 +24,17 @@ rank, ``pickle.loads`` of all N on the coordinator; ``scatter_object_list`` the 
   for the same sharding (N ranks) and resharded to N/2 ranks: per rank ``set_up_planner``,
   ``set_up_storage_reader``, ``create_local_plan``, ``prepare_local_plan``, pickle; coordinator:
   unpickle, ``create_global_plan``, ``prepare_global_plan``, pickle; per rank: unpickle,
-  ``finish_plan``.
+  ``finish_plan``;
+* replicated load (``--plan-replicas R``, R > 1): the same checkpoint loaded HSDP-like, the state
+  sharded over N/R ranks and replicated R times, rank ``r`` holding shard ``r % (N/R)`` (a
+  ``(R, N/R)`` mesh of (replicate, shard) dimensions: the replica group of shard ``s`` is ranks
+  ``s, s + N/R, ..., s + (R-1) N/R``). A rank's plan in that layout is its shard's plan in an
+  N/R-rank load, so the phase is the load into N/R ranks above (``load_half`` itself when R = 2,
+  else a ``load_replicated`` phase into N/R ranks), and from its plans
+  :class:`ReplicatedLoadReads` counts the tensor bytes each rank reads from storage without
+  read-once (its whole plan) and with it (its share of its group's plan as
+  ``fastdcp.load.read_once.deal_items`` deals it), the job's totals and the checkpoint's tensor
+  bytes.
 
 Systems: ``stock`` (DefaultSavePlanner/DefaultLoadPlanner, FileSystemWriter/FileSystemReader) and
 ``fastdcp`` (FastSavePlanner/FastLoadPlanner, FastFileSystemWriter/FastFileSystemReader).
@@ -96,8 +106,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .host_peak import HostPeak
@@ -130,6 +140,8 @@ VERIFY_METADATA_MAX_RANKS = 256
 SAVE, REPEAT, READ, LOAD_SAME, LOAD_HALF = "save", "repeat", "read", "load_same", "load_half"
 RANK, COORDINATOR = "rank", "coordinator"
 PHASES = (SAVE, REPEAT, READ, LOAD_SAME, LOAD_HALF)
+# The load into N/R ranks whose plans are the replicated layout's (--plan-replicas R, R > 2).
+LOAD_REPLICATED = "load_replicated"
 
 # Step names, in protocol order (the report keeps this order).
 SET_UP_PLANNER = "set_up_planner"
@@ -245,6 +257,123 @@ class SimulationOutcome:
     load_plans: dict[tuple[str, int], list[Any]]         # (phase, rank) -> items, for cross-checks
 
 
+def element_sizes(metadata: Metadata) -> dict[str, int]:
+    """The element size of every stored tensor entry's dtype, by FQN."""
+    return {fqn: md.properties.dtype.itemsize for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
+
+
+def checkpoint_tensor_bytes(metadata: Metadata) -> int:
+    """The checkpoint's tensor bytes, each stored element once (headers not counted)."""
+    return sum(math.prod(md.size) * md.properties.dtype.itemsize
+               for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata))
+
+
+def plan_tensor_bytes(items: list[ReadItem], sizes: dict[str, int]) -> int:
+    """The tensor bytes a load plan reads from storage: over its tensor items, ``prod(lengths)``
+    times the stored dtype's element size (``sizes``: :func:`element_sizes`); byte items and blob
+    headers not counted."""
+    return sum(math.prod(item.lengths) * sizes[item.storage_index.fqn]
+               for item in items if item.type != LoadItemType.BYTE_IO)
+
+
+def read_once_shares(items: list[ReadItem], members: int, sizes: dict[str, int], storage_data: Any) -> list[int]:
+    """Each member's tensor bytes when a replica group of ``members`` ranks loads the plan
+    ``items`` with read-once: the tensor items sorted by their place in storage (relative path,
+    offset; then plan order), as ``ReadOnceShare.deal`` sorts them, dealt by
+    ``fastdcp.load.read_once.deal_items``, each member's bytes added up."""
+    from fastdcp.load.read_once import deal_items
+
+    def where(i: int) -> tuple[tuple[str, int], int]:
+        info = storage_data[items[i].storage_index]
+        return (info.relative_path, info.offset), i
+
+    order = sorted((i for i, item in enumerate(items) if item.type != LoadItemType.BYTE_IO), key=where)
+    nbytes = [math.prod(items[i].lengths) * sizes[items[i].storage_index.fqn] for i in order]
+    shares = [0] * members
+    for owner, n in zip(deal_items(nbytes, members), nbytes):
+        shares[owner] += n
+    return shares
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaGroupReads:
+    """What one replica group of the replicated layout reads from storage.
+
+    Args:
+        shard: the group's shard (a rank of the N/R-rank load whose plan the group's members have).
+        ranks: the members, ranks of the N-rank job: ``shard + k * N/R`` for k in 0..R-1.
+        plan_tensor_bytes: tensor bytes of the plan: what each member reads without read-once.
+        member_bytes: each member's share with read-once (:func:`read_once_shares`), in ``ranks`` order.
+    """
+
+    shard: int
+    ranks: tuple[int, ...]
+    plan_tensor_bytes: int
+    member_bytes: tuple[int, ...]
+
+    @property
+    def read_once_bytes(self) -> int:
+        """The largest member's share with read-once."""
+        return max(self.member_bytes)
+
+    def as_info(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "ranks": list(self.ranks), "member_bytes": list(self.member_bytes),
+                "read_once_bytes": self.read_once_bytes, "group_read_once_bytes": sum(self.member_bytes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedLoadReads:
+    """The tensor bytes a job of ``ranks`` ranks reads from storage when it loads the checkpoint
+    sharded over ``ranks / replicas`` ranks and replicated ``replicas`` times, without and with
+    read-once (headers not counted).
+
+    Args:
+        replicas: R; ranks: N; phase: the load phase (into N/R ranks) whose plans these are.
+        groups: the sample shards' groups.
+        shard_plans_tensor_bytes: the tensor bytes of all N/R distinct plans added up; None when not
+            every rank's plan was built (the load above ``--plan-all-load-ranks``).
+        needed_bytes: the checkpoint's tensor bytes, each stored element once.
+    """
+
+    replicas: int
+    ranks: int
+    phase: str
+    groups: list[ReplicaGroupReads]
+    shard_plans_tensor_bytes: int | None
+    needed_bytes: int
+
+    @property
+    def storage_bytes_without_read_once(self) -> int | None:
+        """Every rank reads its whole plan: R times the distinct plans."""
+        return None if self.shard_plans_tensor_bytes is None else self.replicas * self.shard_plans_tensor_bytes
+
+    @property
+    def storage_bytes_with_read_once(self) -> int | None:
+        """Each group reads its plan once."""
+        return self.shard_plans_tensor_bytes
+
+    def as_info(self) -> dict[str, Any]:
+        return {"replicas": self.replicas, "ranks": self.ranks, "shard_ranks": self.ranks // self.replicas,
+                "phase": self.phase, "layout": "rank r holds shard r % (N/R)",
+                "groups": [g.as_info() for g in self.groups],
+                "rank_plan_tensor_bytes": max(g.plan_tensor_bytes for g in self.groups),
+                "rank_read_once_bytes": max(g.read_once_bytes for g in self.groups),
+                "shard_plans_tensor_bytes": self.shard_plans_tensor_bytes, "needed_bytes": self.needed_bytes,
+                "storage_bytes_without_read_once": self.storage_bytes_without_read_once,
+                "storage_bytes_with_read_once": self.storage_bytes_with_read_once}
+
+
+@dataclasses.dataclass
+class _CountedPlans:
+    """What a load phase collects when its plans are counted: each rank's plan tensor bytes and
+    the sample ranks' items (:meth:`PlanScaleSimulation._load_into`)."""
+
+    sizes: dict[str, int]
+    tensor_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    sample_items: dict[int, list[ReadItem]] = dataclasses.field(default_factory=dict)
+
+
 def _process_state() -> Any:
     from fastdcp.planners.plan_cache import PlanProcessState
 
@@ -277,19 +406,23 @@ def _takes_kwargs(method: Callable[..., Any]) -> bool:
 
 
 class PlanScaleSimulation:
-    """One system's save (first and repeat) and load (same sharding and N/2) at ``world_size``
-    simulated ranks, into ``directory`` (created; the caller removes it), or for a system on object
-    storage under ``location`` (``s3://bucket/prefix``, the ``AWS_*`` environment pointing at its
-    server). :meth:`run` returns the :class:`SimulationOutcome`. Precondition: no default process
-    group exists."""
+    """One system's save (first and repeat) and load (same sharding and N/2; with ``replicas`` R > 1
+    also the replicated layout's, into N/R ranks) at ``world_size`` simulated ranks, into
+    ``directory`` (created; the caller removes it), or for a system on object storage under
+    ``location`` (``s3://bucket/prefix``, the ``AWS_*`` environment pointing at its server).
+    :meth:`run` returns the :class:`SimulationOutcome`. Precondition: no default process group
+    exists."""
 
     def __init__(self, system: PlanSystem, world_size: int, directory: str, *, shape: ModelShape = LLAMA_7B,
                  build_budget_s: float = DEFAULT_BUILD_BUDGET_S,
                  exact_validation_max_ranks: int = EXACT_VALIDATION_MAX_RANKS,
                  all_load_plans_max_ranks: int = DEFAULT_ALL_LOAD_PLANS_MAX_RANKS, workers: int = 1,
-                 progress: Callable[[str], None] | None = None, location: str | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, location: str | None = None,
+                 replicas: int = 1) -> None:
         if world_size < 2:
             raise ValueError(f"plan_scale needs at least 2 ranks, got {world_size}")
+        if replicas < 1 or world_size % replicas:
+            raise ValueError(f"plan_scale: {world_size} ranks are not {replicas} replicas of equal shard groups")
         if system.object_storage != (location is not None):
             raise ValueError(f"plan_scale: the {system.name} system {'needs' if system.object_storage else 'takes no'} "
                              "s3:// location")
@@ -301,6 +434,7 @@ class PlanScaleSimulation:
         self.exact_validation = world_size <= exact_validation_max_ranks
         self.all_load_plans_max_ranks = all_load_plans_max_ranks
         self.workers = max(1, workers)
+        self.replicas = replicas
         self.progress = progress or (lambda message: None)
         self.records: list[StepRecord] = []
         self.notes: list[str] = []
@@ -600,9 +734,21 @@ class PlanScaleSimulation:
         with _simulated(_process_state()):
             metadata = self._step(READ, RANK, READ_METADATA, reader.read_metadata, rank=1)
         layout = ChunkLayout(metadata)
-        for phase, world in ((LOAD_SAME, self.world_size), (LOAD_HALF, self.world_size // 2)):
-            self._load_into(phase, world, reader, metadata, layout)
-        del reader, metadata, layout
+        loads = {LOAD_SAME: self.world_size, LOAD_HALF: self.world_size // 2}
+        counted: _CountedPlans | None = None
+        replicated = None
+        if self.replicas > 1:
+            # The replicated layout's plans are those of the load into N/R ranks: load_half's when
+            # R = 2, else a load of their own.
+            shards = self.world_size // self.replicas
+            replicated = next((phase for phase, world in loads.items() if world == shards), LOAD_REPLICATED)
+            loads[replicated] = shards
+            counted = _CountedPlans(element_sizes(metadata))
+        for phase, world in loads.items():
+            self._load_into(phase, world, reader, metadata, layout, counted if phase == replicated else None)
+        if counted is not None:
+            self.info["replicated_load"] = self._replicated_reads(replicated, counted, metadata).as_info()
+        del reader, metadata, layout, counted
         _clear_metadata_cache()
         gc.collect()
 
@@ -638,10 +784,29 @@ class PlanScaleSimulation:
             reader.set_up_storage_reader(metadata, rank == 0)
         return reader.prepare_local_plan(LoadPlan(self.system.pack_read_items(items)))
 
-    def _load_into(self, phase: str, world: int, reader: Any, metadata: Metadata, layout: ChunkLayout) -> None:
+    def _replicated_reads(self, phase: str, counted: _CountedPlans, metadata: Metadata) -> ReplicatedLoadReads:
+        """The replicated layout's reads from the plans ``phase`` (the load into N/R ranks)
+        counted: each sample shard's group (its members' shares dealt over its plan), and the
+        distinct plans' total when every rank's plan was counted."""
+        shards, r = self.world_size // self.replicas, self.replicas
+        groups = [ReplicaGroupReads(shard, tuple(shard + k * shards for k in range(r)), counted.tensor_bytes[shard],
+                                    tuple(read_once_shares(items, r, counted.sizes, metadata.storage_data)))
+                  for shard, items in sorted(counted.sample_items.items())]
+        every = len(counted.tensor_bytes) == shards
+        if not every:
+            self.notes.append(f"replicated load: the job's storage totals are not counted (the {shards} shards' "
+                              f"plans are built above --plan-all-load-ranks {self.all_load_plans_max_ranks} only on "
+                              "the sample ranks)")
+        return ReplicatedLoadReads(r, self.world_size, phase, groups,
+                                   sum(counted.tensor_bytes.values()) if every else None,
+                                   checkpoint_tensor_bytes(metadata))
+
+    def _load_into(self, phase: str, world: int, reader: Any, metadata: Metadata, layout: ChunkLayout,
+                   counted: _CountedPlans | None = None) -> None:
         """A load into ``world`` ranks: local plans (the sample ranks measured; the coordinator
         last, so that the shared reader was set up by it last, as in its own process), the
-        coordinator's round, the sample ranks' receive."""
+        coordinator's round, the sample ranks' receive. With ``counted``, every plan built is
+        counted into it (:class:`_CountedPlans`)."""
         samples = sample_ranks(world)
         ranks = SimulatedRanks(self.shape, world)
         gc.collect()
@@ -654,11 +819,12 @@ class PlanScaleSimulation:
             matches: dict[int, bool | None] = {}
             for r in samples[1:]:
                 planners[r], blobs[r], matches[r] = self._sample_load(phase, ranks, r, states[r], reader, metadata,
-                                                                      layout)
+                                                                      layout, counted)
             if every_rank:
                 self._other_load_plans(phase, ranks, [r for r in range(world) if r not in states], reader, metadata,
-                                       layout, blobs)
-            planners[0], blobs[0], matches[0] = self._sample_load(phase, ranks, 0, states[0], reader, metadata, layout)
+                                       layout, blobs, counted)
+            planners[0], blobs[0], matches[0] = self._sample_load(phase, ranks, 0, states[0], reader, metadata, layout,
+                                                                  counted)
             compared = [r for r, same in matches.items() if same is not None]
             if compared:
                 differ = [r for r in compared if not matches[r]]
@@ -719,10 +885,11 @@ class PlanScaleSimulation:
         return plan
 
     def _sample_load(self, phase: str, ranks: SimulatedRanks, r: int, state: Any, reader: Any, metadata: Metadata,
-                     layout: ChunkLayout) -> tuple[Any, bytes, bool | None]:
+                     layout: ChunkLayout, counted: _CountedPlans | None = None) -> tuple[Any, bytes, bool | None]:
         """A sample rank's measured local load step: its planner, its pickled plan, and whether the
         reference builds the same items (None when no other rank may need the reference). The
-        items are kept on rank 1 for the comparison between systems."""
+        items are kept on rank 1 for the comparison between systems, and in ``counted`` (after
+        the measured steps) with the plan's tensor bytes."""
         state_dict = ranks.state_dict(r)
         own = self._own_load(phase, r, state_dict) if self.system.name == "fastdcp" else None
         with _simulated(state):
@@ -735,16 +902,20 @@ class PlanScaleSimulation:
                                      "" if same else "item lists differ"))
         if r == 1 or ranks.world_size == 1:
             self.load_plans[(phase, r)] = list(plan.items)
+        if counted is not None:
+            items = counted.sample_items[r] = list(plan.items)
+            counted.tensor_bytes[r] = plan_tensor_bytes(items, counted.sizes)
         same = None
         if ranks.world_size > len(sample_ranks(ranks.world_size)):
             same = list(self._reference_plan(state_dict, r, reader, metadata, layout).items) == list(plan.items)
         return planner, blob, same
 
     def _other_load_plans(self, phase: str, ranks: SimulatedRanks, others: list[int], reader: Any,
-                          metadata: Metadata, layout: ChunkLayout, blobs: list[bytes | None]) -> None:
-        """The unmeasured ranks' pickled local load plans, into ``blobs``: by the system's planner,
-        or by the reference when that would take longer than the budget (estimated from the
-        sample ranks measured so far)."""
+                          metadata: Metadata, layout: ChunkLayout, blobs: list[bytes | None],
+                          counted: _CountedPlans | None = None) -> None:
+        """The unmeasured ranks' pickled local load plans, into ``blobs`` (and their tensor bytes
+        into ``counted``): by the system's planner, or by the reference when that would take longer
+        than the budget (estimated from the sample ranks measured so far)."""
         measured = [rec.seconds for rec in self.records
                     if rec.phase == phase and rec.side == RANK and rec.step in (SET_UP_PLANNER, SET_UP_READER, LOCAL_PLAN,
                                                                                  PREPARE_LOCAL)]
@@ -757,9 +928,12 @@ class PlanScaleSimulation:
                 f"{phase}: {len(others)} of {ranks.world_size} local load plans built by the reference (stock's items "
                 f"by bisection, checked equal on the sample ranks), not by {self.system.name}'s planner: "
                 f"{per_rank:.2f} s a rank x {len(others)} ranks > budget {self.build_budget_s:.0f} s")
-        for r, blob in self._unmeasured(_load_plan_of, others, ranks, reader=reader, metadata=metadata, layout=layout,
-                                        use_reference=use_reference):
+        sizes = counted.sizes if counted is not None else None
+        for r, blob, nbytes in self._unmeasured(_load_plan_of, others, ranks, reader=reader, metadata=metadata,
+                                                layout=layout, use_reference=use_reference, sizes=sizes):
             blobs[r] = blob
+            if counted is not None:
+                counted.tensor_bytes[r] = nbytes
 
     # ------------------------------------------------------------------ run
 
@@ -835,20 +1009,21 @@ def _rest_of_rank(task: tuple[int, bytes, tuple[bytes | None, bytes]]
     return r, result_blob, lengths, repeat_blob, same
 
 
-def _load_plan_of(r: int) -> tuple[int, bytes]:
+def _load_plan_of(r: int) -> tuple[int, bytes, int | None]:
     """An unmeasured rank's pickled local load plan, by the system's planner or by the reference
-    (``shared``: reader, metadata, layout, use_reference): (r, the pickled plan)."""
+    (``shared``: reader, metadata, layout, use_reference, sizes): (r, the pickled plan, its tensor
+    bytes (:func:`plan_tensor_bytes`) when ``sizes`` is given, else None)."""
     assert _POOL is not None
     sim, ranks, shared = _POOL
     reader, metadata, layout = shared["reader"], shared["metadata"], shared["layout"]
-    use_reference = shared["use_reference"]
+    use_reference, sizes = shared["use_reference"], shared["sizes"]
     state_dict = ranks.state_dict(r)
     with _simulated(_process_state()):
         if use_reference:
             plan = sim._reference_plan(state_dict, r, reader, metadata, layout)
         else:
             plan = sim._local_load(None, r, state_dict, reader, metadata)[1]
-        return r, pickle.dumps(plan)
+        return r, pickle.dumps(plan), None if sizes is None else plan_tensor_bytes(list(plan.items), sizes)
 
 
 # --------------------------------------------------------------------------- the scenario
@@ -1035,7 +1210,8 @@ def _run_plan_scale(ctx: Any, wheres: list[str], systems: list[PlanSystem], buck
                 sim = PlanScaleSimulation(system, n, os.path.join(base, system.name),
                                           build_budget_s=ctx.cfg.plan_budget_s,
                                           all_load_plans_max_ranks=ctx.cfg.plan_all_load_ranks,
-                                          workers=ctx.cfg.plan_workers, progress=ctx.progress, location=location)
+                                          workers=ctx.cfg.plan_workers, progress=ctx.progress, location=location,
+                                          replicas=getattr(ctx.cfg, "plan_replicas", 1))
                 outcome = sim.run()
                 outcome.info["simulation_seconds"] = time.perf_counter() - started
                 outcome.info["where"] = where

@@ -1,7 +1,7 @@
 """The `plan_scale` report (fastdcp/bench/plan_scale.py): per N, every step of both systems side
 by side (seconds, peak memory, stock/fastdcp, growth exponent since the previous N), the
-protocol's totals, the checks, and at the largest N the targets, each marked; and the same
-as one JSON document.
+protocol's totals, with ``--plan-replicas`` the replicated load's storage bytes, the checks, and
+at the largest N the targets, each marked; and the same as one JSON document.
 
 Rank-side steps show the slowest of the measured sample ranks; coordinator steps the one
 coordinator. Peaks are the resident memory a step needed above what the process held before it.
@@ -220,6 +220,33 @@ def metadata_reads(summary: SystemSummary) -> dict[str, dict[str, Any]]:
     return out
 
 
+def replicated_load(summary: SystemSummary) -> dict[str, Any] | None:
+    """What the job reads from storage in the replicated layout (``--plan-replicas R``, R > 1;
+    :class:`fastdcp.bench.plan_scale.ReplicatedLoadReads`): per sample group, the tensor bytes a
+    rank's plan reads (``plan_tensor_bytes``) and each member's share with read-once
+    (``member_bytes``, the largest ``read_once_bytes``); the largest of them
+    (``rank_plan_tensor_bytes``, ``rank_read_once_bytes``); the job's totals without and with
+    read-once and the checkpoint's tensor bytes (``needed_bytes``). None without a replicated load."""
+    return summary.info.get("replicated_load")
+
+
+def _replicated_load_line(name: str, r: dict[str, Any]) -> str:
+    def gib(x: int | None) -> str:
+        return "-" if x is None else f"{x / GIB:.2f} GiB"
+
+    without, with_, needed = (r["storage_bytes_without_read_once"], r["storage_bytes_with_read_once"],
+                              r["needed_bytes"])
+    if without is None:
+        job = "the job's totals not counted (see the note)"
+    else:
+        ratios = f" ({without / needed:.3f}x and {with_ / needed:.3f}x the checkpoint's tensors)" if needed else ""
+        job = f"the job reads {gib(without)} without read-once, {gib(with_)} with it{ratios}"
+    return (f"  {name}: replicated load, {r['replicas']} replicas x {r['shard_ranks']:,} shards ({r['layout']}; "
+            f"plans of {r['phase']}): a rank reads {_mib(r['rank_plan_tensor_bytes'])} MiB of tensors from storage "
+            f"without read-once, {_mib(r['rank_read_once_bytes'])} MiB with it (largest member share of the sample "
+            f"groups); {job}; the checkpoint's tensors: {gib(needed)} (data bytes, no headers)")
+
+
 SCALE_BARS_AT_RANKS = 16384  # the rank count the resume-at-scale targets are set at
 
 
@@ -402,6 +429,9 @@ def plan_scale_lines(results: list[Result]) -> list[str]:
                        f"{inf.get('simulation_seconds', 0):.0f} s")
             for note in run.notes:
                 out.append(f"  {name}: {note}")
+            replicated = replicated_load(run)
+            if replicated is not None:
+                out.append(_replicated_load_line(name, replicated))
             for phase, r in metadata_reads(run).items():
                 md = inf.get("metadata_file_bytes") or 0
                 gets = f"in {r['rank_metadata_requests']} GETs " if "rank_metadata_requests" in r else ""
@@ -507,9 +537,13 @@ def plan_scale_json(results: list[Result]) -> dict[str, Any] | None:
             total: growth_exponent(prev.totals.get(total) if prev else None, summary.totals.get(total),
                                    prev.ranks if prev else n, n) if unit == "s" else None
             for total, unit in TOTALS}
-        runs.append({"system": name, "ranks": n, "steps": steps, "totals": summary.totals,
-                     "totals_growth_exponent": totals_growth, "info": summary.info, "notes": summary.notes,
-                     "metadata_reads": metadata_reads(summary)})
+        run = {"system": name, "ranks": n, "steps": steps, "totals": summary.totals,
+               "totals_growth_exponent": totals_growth, "info": summary.info, "notes": summary.notes,
+               "metadata_reads": metadata_reads(summary)}
+        replicated = replicated_load(summary)
+        if replicated is not None:
+            run["replicated_load"] = replicated
+        runs.append(run)
     n, bar_list = bars(systems)
     scale_n, scale = scale_bars(systems)
     return {"runs": runs, "bars_at_ranks": n, "bars": [dataclasses.asdict(b) for b in bar_list],

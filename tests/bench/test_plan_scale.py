@@ -1,8 +1,9 @@
 """The `plan_scale` scenario (fastdcp/bench/plan_scale.py, simulated_ranks.py, plan_scale_report.py):
 a simulated rank's plans equal a real 2-rank gloo FSDP2 run's, the reference read plans equal
 stock's, the scenario end to end at tiny N in the benchmark runner (every step of both systems in
-the table and the JSON, the checks passing), the budget and validation shortcuts, and the growth
-exponents and bars of the report."""
+the table and the JSON, the checks passing), the budget and validation shortcuts, the replicated
+load's storage bytes without and with read-once (``--plan-replicas``), and the growth exponents and
+bars of the report."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from fastdcp.bench.plan_scale import (
     COORDINATOR,
     GLOBAL_PLAN,
     LOAD_HALF,
+    LOAD_REPLICATED,
     LOAD_SAME,
     PHASES,
     OWN_LOAD,
@@ -265,6 +267,7 @@ def test_budget_and_validation_shortcuts(tmp_path):
     plan = next(r for r in outcome.records if r.step == GLOBAL_PLAN and r.phase == SAVE)
     assert "estimated from" in plan.note and plan.seconds >= estimates[0].seconds
     assert set(r.phase for r in outcome.records) == set(PHASES)
+    assert "replicated_load" not in outcome.info  # one replica (the default): no replicated load
     assert not dist.is_initialized()
 
 
@@ -344,6 +347,7 @@ def test_plan_scale_end_to_end(tmp_path, capsys):
             assert all(s["growth_exponent"] is None or math.isfinite(s["growth_exponent"]) for s in run["steps"])
         rank_steps = [s for s in run["steps"] if s["side"] == RANK and s["phase"] == LOAD_HALF]
         assert max(s["ranks_measured"] for s in rank_steps) == n // 2
+        assert "replicated_load" not in run and "replicated_load" not in run["info"]  # --plan-replicas 1
     for n in (2, 4):
         reads = runs[("fastdcp", n)]["metadata_reads"]
         # a same-layout load plans from the rank's own section; N -> N/2 from a few sections
@@ -359,6 +363,102 @@ def test_plan_scale_end_to_end(tmp_path, capsys):
     # a small run prints no development bars (they are set at 4,096 ranks), only where to find them
     assert "plan_scale targets" not in captured.out and "[FAIL]" not in captured.out
     assert "development targets are judged at N >= 4,096" in captured.out
+    assert "replicated load" not in captured.out
+
+
+# --------------------------------------------------------------------------- replicated load
+
+
+def _read_once_deal(items, planner, members, metadata, monkeypatch) -> list[int]:
+    """Each member's read bytes as a read-once load deals ``items`` (``ReadOnceShare.deal`` as the
+    reader calls it, ``dist.get_rank`` answering each member in turn)."""
+    from fastdcp.load.read_once import ReadOnceShare, ReplicaGroup
+
+    def where(item):
+        info = metadata.storage_data[item.storage_index]
+        return (info.relative_path, info.offset)
+
+    shares = []
+    for member in members:
+        with monkeypatch.context() as patched:
+            patched.setattr(dist, "get_rank", lambda member=member: member)
+            shares.append(ReadOnceShare.deal(items, planner, ReplicaGroup(tuple(members), "t"), where).read_bytes)
+    return shares
+
+
+def test_replicated_load_reads_a_rth_with_read_once(tmp_path, monkeypatch):
+    """16 ranks as 4 replicas of 4 shards: a rank's plan is its shard's plan in a 4-rank load
+    (a load phase of its own); with read-once each member reads about 1/4 of it, its share as
+    ``ReadOnceShare.deal`` deals it; the job reads every stored tensor byte once with read-once
+    (plus the unsharded 0-d ``step`` tensors every shard's plan reads), 4 times without. Recorded
+    in the JSON and the report."""
+    from types import SimpleNamespace
+
+    from fastdcp.bench.plan_scale import _record
+
+    n, replicas, shards = 16, 4, 4
+    outcome = PlanScaleSimulation(fastdcp_system(), n, str(tmp_path / "sim"), shape=SMALL, replicas=replicas).run()
+    assert all(c.passed for c in outcome.checks), [c for c in outcome.checks if not c.passed]
+    assert {r.phase for r in outcome.records} == set(PHASES) | {LOAD_REPLICATED}
+    assert {r.rank for r in outcome.records if r.phase == LOAD_REPLICATED and r.side == RANK} == {0, 1, 2, 3}
+    assert any(r.phase == LOAD_REPLICATED and r.side == COORDINATOR for r in outcome.records)  # every plan built
+    reads = outcome.info["replicated_load"]
+    assert (reads["replicas"], reads["ranks"], reads["shard_ranks"], reads["phase"]) == (replicas, n, shards,
+                                                                                         LOAD_REPLICATED)
+    groups = reads["groups"]
+    assert [g["shard"] for g in groups] == [0, 1, 2, 3]
+    assert [g["ranks"] for g in groups] == [[s, s + 4, s + 8, s + 12] for s in range(4)]  # rank r: shard r % 4
+
+    metadata = FileSystemReader(os.path.dirname(outcome.metadata_file)).read_metadata()
+    ranks = SimulatedRanks(SMALL, shards)
+    try:
+        for g in groups:
+            assert sum(g["member_bytes"]) == g["group_read_once_bytes"] == g["plan_tensor_bytes"] > 0
+            assert g["read_once_bytes"] == max(g["member_bytes"])
+            assert g["read_once_bytes"] == pytest.approx(g["plan_tensor_bytes"] / replicas, rel=0.05)
+            planner = DefaultLoadPlanner()
+            planner.set_up_planner(ranks.state_dict(g["shard"]), metadata, g["shard"] == 0)
+            items = list(planner.create_local_plan().items)
+            assert _read_once_deal(items, planner, g["ranks"], metadata, monkeypatch) == g["member_bytes"]
+    finally:
+        ranks.close()
+    assert reads["rank_plan_tensor_bytes"] == max(g["plan_tensor_bytes"] for g in groups)
+    assert reads["rank_read_once_bytes"] == max(g["read_once_bytes"] for g in groups)
+
+    # Data bytes: SMALL's 3 x its parameters in fp32, and one 0-d fp32 step per parameter, which
+    # each of the 4 shards' plans reads whole.
+    params = SMALL.parameters()
+    steps = 4 * len(params)
+    assert reads["needed_bytes"] == 3 * 4 * sum(math.prod(shape) for _, shape in params) + steps
+    assert reads["storage_bytes_with_read_once"] == reads["shard_plans_tensor_bytes"]
+    assert reads["storage_bytes_with_read_once"] == reads["needed_bytes"] + (shards - 1) * steps
+    assert reads["storage_bytes_without_read_once"] == replicas * reads["storage_bytes_with_read_once"]
+
+    recorder = Recorder()
+    _record(SimpleNamespace(recorder=recorder, note=lambda message: None), "shm", fastdcp_system(), outcome)
+    doc = plan_scale_json(recorder.results)
+    (run,) = doc["runs"]
+    assert run["replicated_load"] == reads
+    json.dumps(doc)  # JSON-serialisable
+    (line,) = [line for line in plan_scale_lines(recorder.results) if "replicated load" in line]
+    assert "4 replicas x 4 shards" in line and "rank r holds shard r % (N/R)" in line and "with it" in line
+    assert not dist.is_initialized()
+
+
+def test_two_replicas_are_the_half_load(tmp_path):
+    """With R = 2 the replicated layout's plans are the N/2 load's: no load of their own; above
+    ``all_load_plans_max_ranks`` only the sample groups are counted (the job's totals: None, noted)."""
+    outcome = PlanScaleSimulation(stock_system(), 16, str(tmp_path / "sim"), shape=SMALL, replicas=2,
+                                  all_load_plans_max_ranks=4).run()
+    assert {r.phase for r in outcome.records} == set(PHASES)
+    reads = outcome.info["replicated_load"]
+    assert reads["phase"] == LOAD_HALF and [g["shard"] for g in reads["groups"]] == [0, 1, 4, 7]
+    assert [g["ranks"] for g in reads["groups"]] == [[0, 8], [1, 9], [4, 12], [7, 15]]
+    assert reads["rank_read_once_bytes"] == pytest.approx(reads["rank_plan_tensor_bytes"] / 2, rel=0.05)
+    assert reads["storage_bytes_with_read_once"] is None and reads["storage_bytes_without_read_once"] is None
+    assert any("totals are not counted" in note for note in outcome.notes)
+    with pytest.raises(ValueError, match="not 3 replicas"):
+        PlanScaleSimulation(stock_system(), 8, str(tmp_path / "bad"), shape=SMALL, replicas=3)
 
 
 # --------------------------------------------------------------------------- report
@@ -452,7 +552,11 @@ def test_plan_scale_options():
     assert config_from_args([]).plan_all_load_ranks == 4096 and config_from_args([]).plan_workers >= 1
     assert config_from_args([]).plan_storage == "local"
     assert config_from_args(["--plan-storage", "s3"]).plan_storage == "s3"
+    assert config_from_args([]).plan_replicas == 1
+    assert config_from_args(["--plan-ranks", "16,64", "--plan-replicas", "8"]).plan_replicas == 8
+    assert config_from_args(["--quick", "--plan-replicas", "4"]).plan_replicas == 4  # N = 4, 16
     for bad in (["--plan-ranks", "1,4"], ["--plan-budget", "-1"], ["--plan-workers", "0"],
-                ["--plan-all-load-ranks", "0"], ["--plan-storage", "gcs"]):
+                ["--plan-all-load-ranks", "0"], ["--plan-storage", "gcs"], ["--plan-replicas", "0"],
+                ["--plan-ranks", "16,24", "--plan-replicas", "16"]):
         with pytest.raises(SystemExit):
             config_from_args(bad)
