@@ -163,11 +163,14 @@ def _rounds(shared: list[_Shared], members: tuple[int, ...], budget: int) -> lis
     holds every member's k-th chunk. The same on every member."""
     per_member = max(1, budget // len(members))
     runs: dict[int, list[list[_Shared]]] = {m: [] for m in members}
+    filled: dict[int, int] = {m: 0 for m in members}  # bytes in each member's last chunk
     for item in shared:
         chunks = runs[item.owner]
-        if not chunks or (sum(s.nbytes for s in chunks[-1]) + item.nbytes > per_member and chunks[-1]):
+        if not chunks or filled[item.owner] + item.nbytes > per_member:
             chunks.append([])
+            filled[item.owner] = 0
         chunks[-1].append(item)
+        filled[item.owner] += item.nbytes
     depth = max((len(c) for c in runs.values()), default=0)
     return [[item for m in members if k < len(runs[m]) for item in runs[m][k]] for k in range(depth)]
 

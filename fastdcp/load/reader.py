@@ -67,8 +67,8 @@ from ..io.checkpoint_files import (
 from ..io.engine import IoOptions, env_flag, get_engine
 from ..io.gc import gc_paused
 from ..io.read_mode import ReadMode, read_mode_for, record_read
-from .deadline import DEADLINE_FROM_ENV, END, START, LoadCheckIns, LoadDeadlineError, begin_load, \
-    reading_files_status, resolve_load_deadline, stall_point
+from .deadline import DEADLINE_FROM_ENV, END, START, LoadCheckIns, begin_load, reading_files_status, \
+    resolve_load_deadline, stall_point
 from .header_pass import KnownBlobs, Window, parse_blob, read_windows, window_bytes
 from .metadata_cache import metadata_cache
 from .read_once import ReadOnceShare, ReplicaGroup, ReplicaKey, replica_groups, replica_key
