@@ -158,9 +158,10 @@ _counter_lock = threading.Lock()
 _loads_begun: dict[str, int] = {}  # checkpoint name -> guarded loads of it begun in this process
 
 
-def _process_group() -> tuple[Any, int, int] | None:
-    """(the default process group's store, this rank, the world size) when a load has other ranks
-    to check in with, else None."""
+def default_group_store(prefix: str) -> tuple[Any, int, int] | None:
+    """(the default process group's key-value store under ``prefix``, this rank, the world size)
+    when this process has other ranks to coordinate with through it (an initialised default group
+    of several ranks, not the ``fake`` backend, with a store), else None."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     try:
@@ -175,7 +176,13 @@ def _process_group() -> tuple[Any, int, int] | None:
         return None
     if store is None:
         return None
-    return dist.PrefixStore("fastdcp/load", store), rank, world
+    return dist.PrefixStore(prefix, store), rank, world
+
+
+def _process_group() -> tuple[Any, int, int] | None:
+    """(the store of the load check-ins, this rank, the world size), or None: see
+    :func:`default_group_store`."""
+    return default_group_store("fastdcp/load")
 
 
 def begin_load(deadline_s: float | None, name: str, status: str) -> LoadCheckIns | None:

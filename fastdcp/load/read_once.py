@@ -48,8 +48,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from .deadline import default_group_store
+
 __all__ = ["ReplicaKey", "ReplicaGroup", "ReadOnceShare", "ReadOnceError", "plan_digest", "replica_groups",
            "deal_items", "replica_key", "DEFAULT_EXCHANGE_BYTES", "DEFAULT_EXCHANGE_TIMEOUT_S"]
+
+# Where read-once loads keep their members' statuses in the default group's store.
+_STORE_PREFIX = "fastdcp/read_once"
 
 # Staging of one exchange round per rank (only for destinations that cannot receive in place).
 DEFAULT_EXCHANGE_BYTES = 256 << 20
@@ -99,14 +104,8 @@ def plan_digest(items: list[ReadItem]) -> bytes:
 def replica_key(items: list[ReadItem]) -> ReplicaKey | None:
     """This rank's key, or None when it cannot take part (no default process group of several
     ranks, the ``fake`` backend, no key-value store)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        if dist.get_world_size() < 2 or dist.get_backend() == "fake" or _store() is None:
-            return None
-        return ReplicaKey(plan_digest(items), dist.get_rank())
-    except (RuntimeError, ValueError, AttributeError):
-        return None
+    group = default_group_store(_STORE_PREFIX)
+    return None if group is None else ReplicaKey(plan_digest(items), group[1])
 
 
 def replica_groups(keys: list[ReplicaKey | None]) -> list[ReplicaGroup | None]:
@@ -141,11 +140,11 @@ def deal_items(sizes: list[int], members: int) -> list[int]:
 
 
 def _store() -> Any:
-    from torch.distributed import distributed_c10d as c10d
-
-    default_store = getattr(c10d, "_get_default_store", None)
-    store = default_store() if default_store is not None else None
-    return dist.PrefixStore("fastdcp/read_once", store) if store is not None else None
+    """The default group's store, under this module's prefix (a member of a group has one)."""
+    group = default_group_store(_STORE_PREFIX)
+    if group is None:
+        raise ReadOnceError("read-once load: the default process group's store is gone")
+    return group[0]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Read-once loads (``FastFileSystemReader(read_once=True)``, ``fastdcp.load.read_once``): four
 gloo ranks on an HSDP-like mesh (2 replicas x 2 shards) load a checkpoint with each stored byte
 read once (every rank's read bytes counted by the reader), bit-exact, in the saved layout (with
-DCP's and with fastdcp's load planner) and resharded; pure sharding reads as without the mode; a rank whose reads fail fails the load on
+DCP's and with fastdcp's load planner, in many rounds, through host buffers) and resharded; pure sharding reads as without the mode; a rank whose reads fail fails the load on
 every rank, its replica naming it."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _full() -> dict[str, torch.Tensor]:
             "b": C.random_tensor(torch.float32, (ROWS,), ("read-once", "b"))}
 
 
-CASES = ("same", "resharded", "planner", "rounds", "sharded", "failing")
+CASES = ("same", "resharded", "planner", "rounds", "host_staged", "sharded", "failing")
 
 
 def _rank_main(rank: int, store: str, path: str, out: str) -> None:
@@ -58,6 +58,7 @@ def _rank_main(rank: int, store: str, path: str, out: str) -> None:
             raise OSError(f"the disk under rank {rank} went away")
 
     default_budget = read_once.DEFAULT_EXCHANGE_BYTES
+    default_p2p = read_once.ReadOnceShare._device_p2p
     for case in CASES:
         if case == "sharded":  # every rank its own rows: nothing to share
             dest = {k: distribute_tensor(torch.zeros_like(v), flat, [Shard(0)]) for k, v in full.items()}
@@ -68,6 +69,9 @@ def _rank_main(rank: int, store: str, path: str, out: str) -> None:
         dest["step"] = 0
         # "rounds": exchange rounds of 8 KiB, many rounds, each read while the one before is sent.
         read_once.DEFAULT_EXCHANGE_BYTES = 8 << 10 if case == "rounds" else default_budget
+        # "host_staged": every item sent and received through host buffers, as a CUDA destination is
+        # when the default group has no NCCL.
+        read_once.ReadOnceShare._device_p2p = (lambda self, t: False) if case == "host_staged" else default_p2p
         reader_class = FailingReader if case == "failing" and rank == 2 else FastFileSystemReader
         reader = reader_class(path, read_once=True)
         planner = FastLoadPlanner() if case == "planner" else None
@@ -98,7 +102,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     return {case: [json.loads((out / f"{case}-{r}.json").read_text()) for r in range(4)] for case in CASES}
 
 
-@pytest.mark.parametrize("case", ["same", "resharded", "planner", "rounds"])
+@pytest.mark.parametrize("case", ["same", "resharded", "planner", "rounds", "host_staged"])
 def test_replicas_read_each_stored_byte_once_and_load_bit_exact(results, case):
     results = results[case]
     assert all("error" not in r for r in results), results
