@@ -68,8 +68,8 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
     ``overwrite``, ...; ``sync_files`` is accepted and means nothing more here: an object is
     durable once its upload completes). ``s3_options``: :class:`S3Options` (endpoint, region,
     credentials, retries, part size, requests in flight); unset, everything comes from the usual
-    ``AWS_*`` environment. ``checksums``, ``async_staging``, ``snapshot_limit_bytes``: as
-    ``pinned_ring_limit_bytes``: as :class:`fastdcp.FastFileSystemWriter`: GPU tensors are uploaded
+    ``AWS_*`` environment. ``checksums``, ``async_staging``, ``snapshot_limit_bytes``,
+    ``pinned_ring_limit_bytes``: as :class:`fastdcp.FastFileSystemWriter`; GPU tensors are uploaded
     part by part from a ring of pinned slots of ``s3_options.part_bytes``
     (:mod:`fastdcp.objstore.device_upload`), never copied whole to host memory.
 
@@ -150,7 +150,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
 
     def _storage_prefix(self, rank: int) -> str:
         # With key_prefixes, rank r's objects go under sub-prefix r % key_prefixes (hex).
-        name = f"__{rank}_{self._save_token}_"
+        name = super()._storage_prefix(rank)
         if self.key_prefixes <= 1:
             return name
         width = len(format(self.key_prefixes - 1, "x"))

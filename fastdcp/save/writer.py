@@ -148,10 +148,6 @@ class FastFileSystemWriter(FileSystemWriter):
     reused, so ``cache_staged_state_dict`` changes nothing here (accepted for compatibility).
     """
 
-    # GPU tensors are written through the pinned ring (fastdcp.save.device_ring); a writer whose
-    # sink is not the native engine copies them to the host first.
-    _writes_through_ring = True
-
     @renamed_arguments(WRITER_RENAMES)
     def __init__(
         self,
@@ -463,7 +459,7 @@ class FastFileSystemWriter(FileSystemWriter):
             )
         if is_plain_dense(data):
             # Checksums are computed from host memory: with them on, device tensors come over first.
-            through_ring = not self.checksums and self._writes_through_ring and _stays_on_device(data)
+            through_ring = not self.checksums and _stays_on_device(data)
             tensor = tensor_for_writing(data, keep_on_device=through_ring)
             file_plan.append_tensor(item, storage_key, tensor, through_ring=through_ring)
         else:
