@@ -27,6 +27,7 @@ from ..objstore.location import ObjectLocation, is_object_url
 from . import local_tier
 from .peers import peer_group
 from .recovery import Inventory, inventory, rebuildable
+from .replicas import wait_idle
 
 __all__ = ["newest_checkpoint", "SHARED_LOCATION_FILE"]
 
@@ -143,6 +144,7 @@ def newest_checkpoint(shared_parent: str | os.PathLike, *, local_root: str | os.
     nodes = None
     if from_peers and distributed:
         peers = peer_group(node)
+        wait_idle()  # the replicas of this process's last saves are in place before they are counted
         nodes = _node_inventories(parent, root) if peers.is_representative() else None
     proposals = [(shared, local, nodes)]
     if distributed:

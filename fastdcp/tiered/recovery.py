@@ -32,7 +32,7 @@ from ..format.chunk_index import crc32c
 from ..format.metadata import METADATA_NAME
 from . import local_tier
 from .peers import PeerGroup, recv_bytes, recv_file, send_bytes, send_file, wait_all
-from .replicas import read_sidecar, replica_sidecar
+from .replicas import read_sidecar, replica_sidecar, wait_idle
 
 __all__ = ["Inventory", "Recovery", "RecoveryWarning", "inventory", "plan_recovery", "fetch_missing",
            "rebuildable"]
@@ -139,6 +139,7 @@ class Recovery:
 
 def plan_recovery(peers: PeerGroup, directory: str, shared_path: str) -> Recovery:
     """Steps 1 and 2 of the module docstring (collective over ``peers``)."""
+    wait_idle()  # this process's replication is over before the group carries anything else
     mine = inventory(directory) if peers.is_representative() else None
     gathered: list[Any] = [None] * dist.get_world_size(peers.group)
     dist.all_gather_object(gathered, mine, group=peers.group)

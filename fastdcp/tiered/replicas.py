@@ -35,7 +35,7 @@ from ..format.metadata import METADATA_NAME
 from . import local_tier
 from .peers import PeerGroup, PeerTransferError, recv_bytes, recv_file, send_bytes, send_file, wait_all
 
-__all__ = ["ReplicaError", "ReplicaWarning", "ReplicaJob", "submit", "REPLICA_PREFIX", "replica_sidecar",
+__all__ = ["ReplicaError", "ReplicaWarning", "ReplicaJob", "submit", "wait_idle", "REPLICA_PREFIX", "replica_sidecar",
            "read_sidecar"]
 
 logger = logging.getLogger("fastdcp")
@@ -99,6 +99,7 @@ class _Replicator:
         self.pid = os.getpid()
         self.jobs: queue.Queue = queue.Queue()
         self.pending_metadata: Future | None = None
+        self.last: Future | None = None   # the newest job's future
         self.warned = False
         # A daemon: a peer that never answers must not keep the job's processes from exiting.
         self.thread = threading.Thread(target=self._run, name="fastdcp-replicas", daemon=True)
@@ -141,8 +142,26 @@ def submit(job: ReplicaJob) -> Future:
         if pending is not None and not pending.done():
             pending.set_result(None)
         _replicator.pending_metadata = job.metadata if job.coordinator else None
+        _replicator.last = job.done
         _replicator.jobs.put(job)
     return job.done
+
+
+def wait_idle(timeout: float | None = None) -> None:
+    """Wait until this process's queued exchanges are over (done or failed): the peer group then
+    carries nothing else, and a load may use it. A coordinator's exchange still waiting for its
+    ``.metadata`` is not waited for when no commit is coming (it gets None first)."""
+    with _lock:
+        replicator = _replicator if _replicator is not None and _replicator.pid == os.getpid() else None
+        if replicator is None or replicator.last is None:
+            return
+        pending, last = replicator.pending_metadata, replicator.last
+    if pending is not None and not pending.done():
+        pending.set_result(None)  # a load now: the last save's commit, if any, has happened
+    try:
+        last.result(timeout)
+    except Exception:  # noqa: BLE001 - its failure was reported through its own future
+        pass
 
 
 def _header(job: ReplicaJob) -> bytes:

@@ -39,27 +39,58 @@ def _node(rank: int, per_node: int) -> str:
     return f"node{rank // per_node}"
 
 
-def _save_main(rank: int, work: str, world: int, per_node: int, replicas: int) -> None:
-    os.environ["FASTDCP_NODE"] = _node(rank, per_node)
+def _save_main(rank: int, work: str, world: int, per_node: int, replicas: int, lost_during: str | None = None) -> None:
+    """step1 with dcp.save, step2 with dcp.async_save, through one writer. ``lost_during``: the
+    node whose processes die during step2's replication (their drains held back, so the shared
+    tier never gets step2 either)."""
+    import threading
+
+    from fastdcp.tiered import replicas as R
+
+    os.environ["FASTDCP_NODE"] = node = _node(rank, per_node)
+    saved = threading.Event()
+    if node == lost_during:
+        def die_during_step2(job):
+            if job.shared_path.endswith("step2"):
+                saved.wait()
+                os._exit(0)  # the node is gone: no acknowledgement, no further bytes
+            return real_exchange(job)
+
+        real_exchange, R._exchange = R._exchange, die_during_step2
     with C.gloo_rank_mesh(rank, f"{work}/pg-save", world) as mesh:
-        for step in STEPS:
-            writer = FastTieredWriter(f"{work}/shared/step{step}", local_root=f"{work}/{_node(rank, per_node)}",
-                                      replicas=replicas)
-            dcp.save(_state(rank, step, mesh), storage_writer=writer)
+        writer = FastTieredWriter(f"{work}/shared/step1", local_root=f"{work}/{node}", replicas=replicas,
+                                  async_staging=True, drain_timeout_s=10)
+        dcp.save(_state(rank, 1, mesh), storage_writer=writer)
+        writer.replicated.result(120)
+        writer.wait_durable(120)
+        dist.barrier()
+        if lost_during is not None and node == lost_during:
+            os.environ.update(FASTDCP_TEST_PAUSE_AT="drain", FASTDCP_TEST_PAUSE_S="600")
+        result = dcp.async_save(_state(rank, 2, mesh), storage_writer=writer, checkpoint_id=f"{work}/shared/step2")
+        getattr(result, "upload_completion", result).result(120)  # committed locally
+        if lost_during is None:
             writer.replicated.result(120)
             writer.wait_durable(120)
-        dist.barrier()
+            dist.barrier()
+            return
+        saved.set()
+        if node != lost_during:
+            with pytest.raises(R.ReplicaError, match="peer"):
+                writer.replicated.result(120)
+        from fastdcp.bench.process_group import exit_spawned_rank
+
+        exit_spawned_rank()  # the lost node's ranks are gone: no barrier, no orderly teardown
 
 
-def _load_main(rank: int, work: str, world: int, per_node: int, out: str) -> None:
+def _load_main(rank: int, work: str, world: int, per_node: int, out: str, step: int = 2) -> None:
     os.environ["FASTDCP_NODE"] = _node(rank, per_node)
     with C.gloo_rank_mesh(rank, f"{work}/pg-load", world) as mesh:
         root = f"{work}/{_node(rank, per_node)}"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             chosen = newest_checkpoint(f"{work}/shared", local_root=root, from_peers=True)
-            reader = FastTieredReader(f"{work}/shared/step2", local_root=root, from_peers=True)
-            want = _state(rank, 2, mesh)
+            reader = FastTieredReader(f"{work}/shared/step{step}", local_root=root, from_peers=True)
+            want = _state(rank, step, mesh)
             dest = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in want.items()}
             dcp.load(dest, storage_reader=reader)
         C.assert_same(dest, want)
@@ -138,6 +169,17 @@ def test_two_lost_nodes_with_one_replica_fall_back_to_the_shared_tier(work):
     got = _outcome(work / "out", world)
     assert {g["tier"] for g in got} == {"shared"} and got[0]["shared_bytes_read"] > 0, got
     assert any("on no surviving node" in w for g in got for w in g["warnings"]), got
+
+
+def test_a_node_lost_during_replication_leaves_the_previous_checkpoint_recoverable(work):
+    world, per_node = 4, 2
+    _run(_save_main, (str(work), world, per_node, 1, "node1"), world)
+    assert not (work / "shared" / "step2" / ".metadata").exists()  # its drain never finished either
+    _lose(work, "node1")
+    _run(_load_main, (str(work), world, per_node, str(work / "out"), 1), world)
+    for got in _outcome(work / "out", world):  # step2's node1 files are nowhere: step1, from the peers
+        assert got["chosen"] == str(work / "shared" / "step1"), got
+        assert got["tier"] == "peers" and got["shared_bytes_read"] == 0, got
 
 
 def test_peers_follow_the_node_map():
