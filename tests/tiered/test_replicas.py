@@ -182,6 +182,28 @@ def test_a_node_lost_during_replication_leaves_the_previous_checkpoint_recoverab
         assert got["tier"] == "peers" and got["shared_bytes_read"] == 0, got
 
 
+def _torchrun_main(rank: int, work: str) -> None:
+    # torchrun's environment for 2 nodes of 2 ranks: a node's ranks are consecutive
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
+    with C.gloo_rank_mesh(rank, f"{work}/pg", 4) as mesh:
+        writer = FastTieredWriter(f"{work}/shared/step1", local_root=f"{work}/node{rank // 2}")
+        dcp.save(_state(rank, 1, mesh), storage_writer=writer)
+        writer.wait_durable(120)
+        dist.barrier()
+
+
+def test_without_replicas_each_node_commits_its_own_ranks_files_locally(work):
+    _run(_torchrun_main, (str(work),), 4)
+    for node, ranks in (("node0", {0, 1}), ("node1", {2, 3})):
+        directory = local_tier.local_directory(str(work / node), str(work / "shared" / "step1"))
+        names = [n for n in os.listdir(directory) if n.endswith(".distcp")]
+        assert {int(n.split("_")[2]) for n in names} == ranks, names
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(work / "shared" / "step1")).read_metadata()
+    assert len(local_tier.files_named(metadata)) == 4  # the shared tier has the whole checkpoint
+
+
 def test_peers_follow_the_node_map():
     nodes = NodeMap.from_names(["a", "a", "b", "b", "c", "c"])
     assert nodes.nodes == ((0, 1), (2, 3), (4, 5))
