@@ -130,7 +130,7 @@ def peer_group(node: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     key = (os.getpid(), id(default))
     with _groups_lock:
         found = _groups.get(key)
-        if found is not None and found.broken is None:
+        if found is not None:  # (a broken one too: a new group would need every rank to make it at once)
             return found
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         names: list[Any] = [None] * dist.get_world_size()

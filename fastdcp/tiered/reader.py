@@ -165,14 +165,19 @@ class FastTieredReader(StorageReader):
 
     def _read_data(self, plan: Any, planner: Any) -> Any:
         inner = self._chosen()
-        storage_data = getattr(inner, "storage_data", None) or {}
-        infos = [storage_data[item.storage_index] for item in plan.items] if storage_data else []
         recovery = self._recovery
         if recovery is not None and recovery.tier != "shared":
-            fetch_missing(recovery, {info.relative_path for info in infos}, self.shared_path)
+            storage_data = inner.storage_data
+            fetch_missing(recovery, {storage_data[item.storage_index].relative_path for item in plan.items},
+                          self.shared_path)
             self.tier = recovery.tier
-        self.shared_bytes_read = sum(int(info.length) for info in infos) if self.tier == "shared" else 0
-        return inner.read_data(plan, planner)
+        result = inner.read_data(plan, planner)
+        self.shared_bytes_read = 0
+        if self.tier == "shared":
+            stats = getattr(inner, "last_stats", None) or {}
+            self.shared_bytes_read = int(stats.get("bytes_read", 0)) or sum(
+                int(inner.storage_data[item.storage_index].length or 0) for item in plan.items)
+        return result
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
