@@ -31,7 +31,7 @@ from ..save.file_image import FilePlan
 from ..save.writer import FastFileSystemWriter
 from . import local_tier
 from .drain import LocalCommit, commit_when_drained, drain_rank_files
-from .peers import PeerGroup, peer_group, ranks_on_this_node
+from .peers import NODE_ENV, PeerGroup, peer_group, ranks_on_this_node
 from .replicas import ReplicaJob, submit
 from .shared_tier import SharedTier, shared_tier_for
 
@@ -82,17 +82,24 @@ class FastTieredWriter(FastFileSystemWriter):
         self.node = node
         self.replicated: Future | None = None
         self._replica_job: ReplicaJob | None = None
-        if replicas and dist.is_available() and dist.is_initialized():
+        # Nodes named (FASTDCP_NODE or node=): the node map says which ranks share the local tier.
+        self._node_named = node is not None or bool(os.environ.get(NODE_ENV))
+        if dist.is_available() and dist.is_initialized():
             self._peers()  # the peer group is made collectively: here, on every rank alike
 
-    def _peers(self) -> PeerGroup:
-        """The process's peer group, checked to have room for this writer's replicas."""
+    def _peers(self) -> PeerGroup | None:
+        """The process's peer group (None when this writer needs none: no replicas, nodes not
+        named), checked to have room for this writer's replicas."""
+        if not (self.replicas or self._node_named):
+            return None
         if not (dist.is_available() and dist.is_initialized()):
+            if not self.replicas:
+                return None
             raise ValueError(f"FastTieredWriter(replicas={self.replicas}) needs torch.distributed initialized "
                              "(torchrun, or init_process_group): replicas go to ranks on other nodes")
         peers = peer_group(self.node)
         nodes = len(peers.node_map.nodes)
-        if self.replicas >= nodes:
+        if self.replicas and self.replicas >= nodes:
             raise ValueError(f"FastTieredWriter(replicas={self.replicas}) needs more than {self.replicas} nodes; this "
                              f"job runs on {nodes} ({', '.join(peers.node_map.names[:4])}"
                              f"{', ...' if nodes > 4 else ''}): set FASTDCP_NODE per process where nodes are not "
@@ -117,6 +124,7 @@ class FastTieredWriter(FastFileSystemWriter):
                             "replicas travel over this process's peer group): use dcp.async_save's default "
                             "thread mode, or replicas=0")
         state["replicated"] = None
+        state["_node_named"] = False  # another process: its own environment
         state["_replica_job"] = None
         return state
 
@@ -144,8 +152,8 @@ class FastTieredWriter(FastFileSystemWriter):
         self.durable = None
         self.replicated = None
         self._replica_job = None
-        if self.replicas:
-            self._peers()  # refused here, before anything is written, when replicas cannot be placed
+        self._peers()  # made here on every rank (a collective the first time); replicas that cannot be placed
+        # are refused here, before anything is written
         # The coordinator's (and, in a rank-local save, every rank's) durable future is the shared
         # commit, known only once finish() ran.
         self._commits = bool(is_coordinator) or not kwargs.get("use_collectives", True)
@@ -173,14 +181,16 @@ class FastTieredWriter(FastFileSystemWriter):
         None: its save failed)."""
         if not self.replicas:
             return
-        job = ReplicaJob(self._peers(), self.replicas, self.local_path, self.shared_path, names, self._commits)
+        peers = self._peers()
+        assert peers is not None
+        job = ReplicaJob(peers, self.replicas, self.local_path, self.shared_path, names, self._commits)
         self._replica_job = job
         self.replicated = submit(job)
 
     def _files_written_here(self, new_files: set[str]) -> set[str]:
         """The local commit checks only the files of the ranks on this node: the others are in
         their own nodes' local tiers (:func:`fastdcp.tiered.peers.ranks_on_this_node`)."""
-        here = ranks_on_this_node(self._peers() if self.replicas else None)
+        here = ranks_on_this_node(self._peers())
         if here is None:
             return new_files
         return {name for name in new_files if (m := _RANK_OF_FILE.match(name)) is None or int(m.group(1)) in here}

@@ -182,9 +182,11 @@ def test_a_node_lost_during_replication_leaves_the_previous_checkpoint_recoverab
         assert got["tier"] == "peers" and got["shared_bytes_read"] == 0, got
 
 
-def _torchrun_main(rank: int, work: str) -> None:
-    # torchrun's environment for 2 nodes of 2 ranks: a node's ranks are consecutive
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
+def _two_nodes_main(rank: int, work: str, told_by: str) -> None:
+    if told_by == "torchrun":  # torchrun's environment for 2 nodes of 2 ranks: a node's ranks are consecutive
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
+    else:
+        os.environ["FASTDCP_NODE"] = f"n{rank // 2}"
     with C.gloo_rank_mesh(rank, f"{work}/pg", 4) as mesh:
         writer = FastTieredWriter(f"{work}/shared/step1", local_root=f"{work}/node{rank // 2}")
         dcp.save(_state(rank, 1, mesh), storage_writer=writer)
@@ -192,8 +194,9 @@ def _torchrun_main(rank: int, work: str) -> None:
         dist.barrier()
 
 
-def test_without_replicas_each_node_commits_its_own_ranks_files_locally(work):
-    _run(_torchrun_main, (str(work),), 4)
+@pytest.mark.parametrize("told_by", ["torchrun", "FASTDCP_NODE"])
+def test_without_replicas_each_node_commits_its_own_ranks_files_locally(work, told_by):
+    _run(_two_nodes_main, (str(work), told_by), 4)
     for node, ranks in (("node0", {0, 1}), ("node1", {2, 3})):
         directory = local_tier.local_directory(str(work / node), str(work / "shared" / "step1"))
         names = [n for n in os.listdir(directory) if n.endswith(".distcp")]
