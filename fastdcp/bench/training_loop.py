@@ -425,6 +425,9 @@ class LoopSystem:
     guard: Callable[[Any, Any], Any] | None = None     # fastdcp_overlap: fastdcp.guard
     release_pool: Callable[[], None] | None = None     # fastdcp: empty the staging pool between loops
     optional: bool = False  # a failure (not a verification failure) leaves it out with a note
+    # async_save's keyword arguments; None: a single process's (thread executor, no_dist where
+    # supported); a multi-rank loop passes {} so that the save runs over the default group
+    save_kwargs: dict[str, Any] | None = None
 
 
 def _zoc_unavailable() -> str | None:
@@ -580,7 +583,7 @@ class _Checkpointer:
     def __init__(self, system: LoopSystem, trainer: SyntheticTraining) -> None:
         self.system = system
         self.trainer = trainer
-        self.kwargs = _async_kwargs("thread")
+        self.kwargs = _async_kwargs("thread") if system.save_kwargs is None else dict(system.save_kwargs)
         self.stager = system.make_stager() if system.make_stager else None
         self.guard = system.guard(trainer.optimizer, trainer.model) if system.guard else None
         self.pending: tuple[CheckpointTiming, Any] | None = None  # (timing, response)
