@@ -73,7 +73,8 @@ if _C is not None:  # noqa: E402 - the public API, once the extension is there
     from .objstore.client import ObjectAccessError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, S3Options  # noqa: E402
     from .objstore.reader import FastS3Reader  # noqa: E402
     from .objstore.writer import FastS3Writer  # noqa: E402
-    from .tiered import FastTieredReader, FastTieredWriter, TieredDrainError, TieredDrainWarning  # noqa: E402
+    from .tiered import (FastTieredReader, FastTieredWriter, RecoveryWarning, ReplicaError,  # noqa: E402
+                         ReplicaWarning, TieredDrainError, TieredDrainWarning)
 
 # The library logs through this one logger and never prints: without a handler configured by the
 # application, nothing appears (not even warnings through logging's last-resort handler).
@@ -90,6 +91,9 @@ __all__ = [
     "FastTieredReader",
     "TieredDrainError",
     "TieredDrainWarning",
+    "ReplicaError",
+    "ReplicaWarning",
+    "RecoveryWarning",
     "S3Options",
     "ObjectStoreError",
     "ObjectNotFoundError",

@@ -108,7 +108,7 @@ def chunk_index_name(metadata: Metadata) -> str | None:
 
 
 def metadata_objects(metadata: Metadata, name: str, token: str | None
-                     ) -> tuple[bytes | memoryview, tuple[str, memoryview] | None]:
+                     ) -> tuple[bytes, tuple[str, bytes] | None]:
     """The objects a commit PUTs: the ``.metadata`` object's bytes, and (a save planned in bulk,
     with its ``token``) the chunk index's name and bytes (views of the buffers they were written
     into: hundreds of MB at thousands of ranks, not copied again). As on local disk
@@ -132,7 +132,7 @@ def metadata_objects(metadata: Metadata, name: str, token: str | None
         size, head_crc, tail_crc = metadata_facts(out, edge_bytes_for(table))
         write_chunk_index(index, table, metadata_size=size, metadata_head_crc=head_crc, metadata_tail_crc=tail_crc,
                           **facts)
-    return out.getbuffer(), (index_name, index.getbuffer())
+    return out.getvalue(), (index_name, index.getvalue())
 
 
 def metadata_bytes(metadata: Metadata) -> bytes:

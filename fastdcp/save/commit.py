@@ -162,7 +162,8 @@ def _interfered(directory: str, what: str) -> ConcurrentSaveError:
 
 
 def commit_metadata(
-    directory: str, metadata_name: str, token: str, metadata: Metadata, new_files: set[str], sync: bool
+    directory: str, metadata_name: str, token: str, metadata: Metadata, new_files: set[str], sync: bool,
+    written_here: set[str] | None = None,
 ) -> CommittedMetadata:
     """Make ``metadata`` the checkpoint's ``metadata_name`` atomically (coordinator only, after
     every rank's data files are durable; ``sync``: fsync as the protocol says). ``token``: this
@@ -173,7 +174,8 @@ def commit_metadata(
     naming files that exist: the old checkpoint's until the rename, the new one's after it. Just
     before the rename, the marker and every file in ``new_files`` must still exist, else
     :class:`ConcurrentSaveError` (the check is what keeps a ``.metadata`` naming a missing file
-    from ever being committed). If the commit fails, this save's data files (``new_files``
+    from ever being committed; ``written_here``: only these of them, where the other ranks' files
+    are in other directories, as in a node-local tier). If the commit fails, this save's data files (``new_files``
     carrying ``token``), the temp file and the markers are removed: nothing references them."""
     tmp_name = f"{metadata_name}.{token}.tmp"
     tmp_path = os.path.join(directory, tmp_name)
@@ -188,6 +190,8 @@ def commit_metadata(
         if table is not None and table.storage is not None:
             index_name = f"{metadata_name}.{token}.index"
             new_files = new_files | {index_name}
+            if written_here is not None:
+                written_here = written_here | {index_name}
             st, index_facts = _write_table_metadata(directory, tmp_path, index_name, metadata, sync)
             chunk_index = (index_name, *index_facts)
         else:
@@ -200,7 +204,7 @@ def commit_metadata(
         if not inflight.touch(directory, token):
             raise _interfered(directory, f"the marker of this save ({inflight.marker_name(token)}) was removed")
         present = set(os.listdir(directory))
-        missing = sorted((new_files | {tmp_name}) - present)
+        missing = sorted(((new_files if written_here is None else written_here) | {tmp_name}) - present)
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             raise _interfered(directory, f"{len(missing)} of its files disappeared before the commit ({shown})")

@@ -549,7 +549,8 @@ class FastFileSystemWriter(FileSystemWriter):
         metadata_name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
         token = self._save_token or self._claim_token()
         try:
-            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files)
+            committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files,
+                                        self._files_written_here(new_files))
         finally:
             self._claimed_tokens = set()  # released by commit_metadata, committed or not
         self._last_commit = committed
@@ -558,6 +559,11 @@ class FastFileSystemWriter(FileSystemWriter):
             metadata.send_as(CommittedIndex(directory, *committed.chunk_index).reduced())
         crash_point("cleanup")
         remove_unreferenced(directory, committed, self.rank if rank_local else None)
+
+    def _files_written_here(self, new_files: set[str]) -> set[str]:
+        """Which of the save's data files the ranks wrote into this writer's directory (all of them:
+        every rank writes the one checkpoint directory); the commit checks they are all there."""
+        return set(new_files)
 
     def _complete_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> set[str]:
         """Fill ``metadata`` with every rank's write results (storage data, storage meta, version);

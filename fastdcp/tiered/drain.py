@@ -25,10 +25,12 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
+from ..format.metadata import METADATA_NAME
 from ..save.crash_points import crash_point
 from . import local_tier
-from .shared_tier import SharedTier
+from .shared_tier import SharedTier, shared_tier_for
 
 __all__ = ["TieredDrainError", "TieredDrainWarning", "LocalCommit", "drain_rank_files", "commit_when_drained",
            "failure_marker"]
@@ -98,17 +100,31 @@ def drain_rank_files(tier: SharedTier, local_directory: str, names: list[str], t
     are evicted). ``images``: write these ``(name, size, segments)`` file images instead of reading
     the local files back (the writer's staged bytes; see :mod:`fastdcp.tiered.writer`)."""
     done = _get_pools().copy.submit(_drain, tier, local_directory, names, token, rank, images)
-    _evict_when_done(done, local_root, keep_local, local_directory)
+    _evict_when_done(done, local_root, keep_local, local_directory, tier)
     return done
 
 
-def _evict_when_done(future: Future, local_root: str, keep_local: int, protect: str) -> None:
+def _committed_check(tier: SharedTier) -> Callable[[str], bool]:
+    """Whether a checkpoint (by its shared location, a sibling of ``tier``'s) is committed in the
+    shared tier: what a local directory holding replicas needs before it may be evicted."""
+    options = getattr(tier, "options", None)
+
+    def committed(location: str) -> bool:
+        try:
+            return bool(shared_tier_for(location, options).existing({METADATA_NAME}))
+        except Exception:  # noqa: BLE001 - unknown: keep the local copy
+            return False
+
+    return committed
+
+
+def _evict_when_done(future: Future, local_root: str, keep_local: int, protect: str, tier: SharedTier) -> None:
     """Once ``future`` succeeded, evict older durable local copies (after it is done: a waiter on
     it is not held up by the removal)."""
     def evict(done: Future) -> None:
         if done.exception() is None:
             try:
-                local_tier.evict(local_root, keep_local, protect=protect)
+                local_tier.evict(local_root, keep_local, protect=protect, committed_in_shared=_committed_check(tier))
             except OSError:
                 pass  # bookkeeping of the local tier: the shared copy is complete either way
 
@@ -146,7 +162,7 @@ def commit_when_drained(tier: SharedTier, commit: LocalCommit, own_drain: Future
     commits reach the shared tier in save order. Older durable local copies are evicted once the
     future is done (not counted in it)."""
     done = _get_pools().commit.submit(_commit, tier, commit, own_drain, deadline_s)
-    _evict_when_done(done, local_root, keep_local, commit.local_directory)
+    _evict_when_done(done, local_root, keep_local, commit.local_directory, tier)
     return done
 
 

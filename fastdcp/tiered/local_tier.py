@@ -7,10 +7,14 @@ Markers, in a checkpoint's local directory:
 * ``.drained.rank{R}``: rank R's data files are complete in the shared tier;
 * ``.durable``: the coordinator committed ``.metadata`` in the shared tier (only on its node).
 
+* ``.replica.<name>``: file ``name`` is a replica another node's rank sent
+  (:mod:`fastdcp.tiered.replicas`), with its size and CRC-32C.
+
 A local checkpoint is evicted (beyond the newest ``keep`` of the local root) only once it is
-durable: its directory holds ``.durable``, or, on a node without the coordinator's ``.metadata``,
-every rank whose files it holds has drained them. A checkpoint that never reached the shared
-tier is never evicted: it may be the only copy."""
+durable: its directory holds ``.durable``, or, on a node without the coordinator's own ``.metadata``,
+every rank whose own files it holds has drained them; a directory holding replicas also needs the
+checkpoint committed in the shared tier (its other ranks' drains are not seen here). A checkpoint
+that never reached the shared tier is never evicted: it may be the only copy."""
 
 from __future__ import annotations
 
@@ -19,18 +23,22 @@ import logging
 import os
 import re
 import shutil
-from typing import Any
+import threading
+from typing import Any, Callable
 
 from ..format.metadata import METADATA_NAME
 
 __all__ = ["DEFAULT_LOCAL_ROOT", "local_root_from", "local_directory", "mark_drained", "mark_durable",
-           "is_durable", "evict", "holds_every_file"]
+           "is_durable", "evict", "holds_every_file", "record_shared_location", "SHARED_LOCATION_FILE",
+           "REPLICA_PREFIX", "shared_location_of", "files_named"]
 
 logger = logging.getLogger("fastdcp")
 
 DEFAULT_LOCAL_ROOT = "/dev/shm/fastdcp-tiered"
 LOCAL_ROOT_ENV = "FASTDCP_LOCAL_TIER"
 DURABLE_MARKER = ".durable"
+REPLICA_PREFIX = ".replica."
+SHARED_LOCATION_FILE = ".shared_location"
 _DRAINED_RE = re.compile(r"^\.drained\.rank(\d+)$")
 _RANK_FILE_RE = re.compile(r"^__(\d+)_.*\.distcp$")
 
@@ -62,19 +70,47 @@ def mark_durable(directory: str) -> None:
     _touch(os.path.join(directory, DURABLE_MARKER))
 
 
-def is_durable(directory: str) -> bool:
-    """Whether the local checkpoint in ``directory`` may go: see the module docstring."""
+def is_durable(directory: str, committed_in_shared: Callable[[str], bool] | None = None) -> bool:
+    """Whether the local checkpoint in ``directory`` may go: see the module docstring.
+    ``committed_in_shared(shared location)``: whether the shared tier holds it committed (asked only
+    for a directory holding replicas; without it such a directory stays)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return False
     if DURABLE_MARKER in names:
         return True
-    if METADATA_NAME in names:
+    replicas = {n[len(REPLICA_PREFIX):] for n in names if n.startswith(REPLICA_PREFIX)}
+    if METADATA_NAME in names and METADATA_NAME not in replicas:
         return False  # the coordinator's node: only the commit in the shared tier makes it durable
-    ranks = {int(m.group(1)) for m in map(_RANK_FILE_RE.match, names) if m}
+    own = {int(m.group(1)) for m in map(_RANK_FILE_RE.match, names) if m and m.group(0) not in replicas}
     drained = {int(m.group(1)) for m in map(_DRAINED_RE.match, names) if m}
-    return bool(ranks) and ranks <= drained
+    if not own <= drained or not (own or replicas):
+        return False
+    if replicas:
+        location = shared_location_of(directory)
+        return committed_in_shared is not None and location is not None and committed_in_shared(location)
+    return True
+
+
+def shared_location_of(directory: str) -> str | None:
+    """The shared location the local directory is a copy of (``.shared_location``), or None."""
+    try:
+        with open(os.path.join(directory, SHARED_LOCATION_FILE)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def record_shared_location(directory: str, shared_path: str) -> None:
+    """Note in the local directory which shared location it is a copy of (what
+    :func:`fastdcp.tiered.newest.newest_checkpoint` finds local copies by)."""
+    path = os.path.join(directory, SHARED_LOCATION_FILE)
+    if not os.path.exists(path):
+        part = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        with open(part, "w") as f:
+            f.write(shared_path + "\n")
+        os.replace(part, path)
 
 
 def _committed_at(directory: str) -> int:
@@ -94,9 +130,11 @@ def _committed_at(directory: str) -> int:
     return newest
 
 
-def evict(local_root: str, keep: int, protect: str | None = None) -> list[str]:
-    """Remove durable local checkpoints beyond the newest ``keep`` under ``local_root`` (newest by
-    when they were written), never ``protect``; returns the directories removed."""
+def evict(local_root: str, keep: int, protect: str | None = None,
+          committed_in_shared: Callable[[str], bool] | None = None) -> list[str]:
+    """Remove durable local checkpoints (:func:`is_durable`) beyond the newest ``keep`` under
+    ``local_root`` (newest by when they were written), never ``protect``; returns the directories
+    removed."""
     try:
         entries = [os.path.join(local_root, n) for n in os.listdir(local_root)]
     except FileNotFoundError:
@@ -108,7 +146,7 @@ def evict(local_root: str, keep: int, protect: str | None = None) -> list[str]:
     dirs.sort(reverse=True)
     removed = []
     for _, path in dirs[max(0, keep):]:
-        if path == protect or not is_durable(path):
+        if path == protect or not is_durable(path, committed_in_shared):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -116,12 +154,16 @@ def evict(local_root: str, keep: int, protect: str | None = None) -> list[str]:
     return removed
 
 
-def holds_every_file(directory: str, metadata: Any) -> bool:
-    """Whether ``directory`` holds every data file ``metadata`` names (a local copy that is whole)."""
+def files_named(metadata: Any) -> set[str]:
+    """The data files ``metadata`` names."""
     table = getattr(metadata, "chunk_table", None)
     if table is not None and getattr(table, "storage", None) is not None:
-        names = set(table.storage.files)
-    else:
-        names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-        names.discard(None)
-    return all(os.path.isfile(os.path.join(directory, str(name))) for name in names)
+        return set(table.storage.files)
+    names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    names.discard(None)
+    return {str(name) for name in names}
+
+
+def holds_every_file(directory: str, metadata: Any) -> bool:
+    """Whether ``directory`` holds every data file ``metadata`` names (a local copy that is whole)."""
+    return all(os.path.isfile(os.path.join(directory, name)) for name in files_named(metadata))

@@ -5,13 +5,19 @@ Each rank decides for itself when it reads ``.metadata``: the local copy (the di
 :class:`fastdcp.FastTieredWriter` committed to) is used when its ``.metadata`` parses and every
 file it names is there, as after a restart on the same node, even when the drain never finished;
 otherwise the shared tier. Both tiers hold the same bytes under the same names, so ranks that
-decided differently load the same checkpoint. ``tier`` says which one this rank read."""
+decided differently load the same checkpoint. ``tier`` says which one this rank read.
+
+With ``from_peers=True`` (every rank, ``torch.distributed`` initialized) the ranks decide together:
+the checkpoint is rebuilt from the local tiers of the nodes that hold it, files moved between nodes
+as the load needs them (:mod:`fastdcp.tiered.recovery`; ``tier`` "local" or "peers"), else every
+rank reads the shared tier ("shared")."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -22,6 +28,8 @@ from ..objstore.client import S3Options
 from ..objstore.location import is_object_url
 from ..objstore.reader import FastS3Reader
 from . import local_tier
+from .peers import peer_group
+from .recovery import Recovery, fetch_missing, plan_recovery
 
 __all__ = ["FastTieredReader"]
 
@@ -35,11 +43,19 @@ class FastTieredReader(StorageReader):
 
     ``load_deadline_s`` guards the load as a whole (:mod:`fastdcp.load.deadline`), named by the
     shared location: ranks that chose different tiers check in together, and a rank that tried
-    its local copy first checks in once."""
+    its local copy first checks in once.
+
+    ``from_peers``: rebuild the checkpoint from the nodes' local tiers (see the module docstring);
+    ``node``: this process's node name, as the writer's. ``shared_bytes_read``: the bytes this rank's
+    last load read from the shared tier."""
 
     def __init__(self, path: str | os.PathLike, *, local_root: str | os.PathLike | None = None,
-                 s3_options: S3Options | None = None, **reader_kwargs: Any) -> None:
+                 s3_options: S3Options | None = None, from_peers: bool = False, node: str | None = None,
+                 **reader_kwargs: Any) -> None:
         self.local_root = local_tier.local_root_from(local_root)
+        self.from_peers = bool(from_peers)
+        self.node = node
+        self.shared_bytes_read = 0
         self.s3_options = s3_options
         self.load_deadline_s = resolve_load_deadline(reader_kwargs.pop("load_deadline_s", DEADLINE_FROM_ENV))
         self._check_ins: LoadCheckIns | None = None
@@ -53,6 +69,7 @@ class FastTieredReader(StorageReader):
         self._inner: StorageReader | None = None
         self._local: FastFileSystemReader | None = None
         self._shared: StorageReader | None = None
+        self._recovery: Recovery | None = None
 
     def _local_reader(self) -> FastFileSystemReader:
         if self._local is None:
@@ -81,7 +98,7 @@ class FastTieredReader(StorageReader):
         for reader in (self._local, self._shared):
             if reader is not None:
                 reader.reset()
-        self._inner, self.tier = None, None
+        self._inner, self.tier, self._recovery = None, None, None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         check_ins = None
@@ -100,6 +117,13 @@ class FastTieredReader(StorageReader):
 
     def _read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
+        if self.from_peers and rank is None and dist.is_available() and dist.is_initialized():
+            self._recovery = plan_recovery(peer_group(self.node), self.local_path, self.shared_path)
+            if self._recovery.tier == "shared":
+                self._inner, self.tier = self._shared_reader(), "shared"
+            else:
+                self._inner, self.tier = self._local_reader(), self._recovery.tier
+            return self._inner.read_metadata(*args, **kwargs)
         name = f"__{rank}{METADATA_NAME}" if rank is not None else METADATA_NAME
         if os.path.isfile(os.path.join(self.local_path, name)):
             local = self._local_reader()
@@ -130,14 +154,25 @@ class FastTieredReader(StorageReader):
     def read_data(self, plan: Any, planner: Any) -> Any:
         check_ins, self._check_ins = self._check_ins, None
         if check_ins is None:
-            return self._chosen().read_data(plan, planner)
+            return self._read_data(plan, planner)
         try:
             inner = self._chosen()
             check_ins.status(f"reading its data from the {self.tier} tier, {getattr(inner, 'path', self.shared_path)}")
             stall_point("read_data")
-            return inner.read_data(plan, planner)
+            return self._read_data(plan, planner)
         finally:
             check_ins.check_in(END)
+
+    def _read_data(self, plan: Any, planner: Any) -> Any:
+        inner = self._chosen()
+        storage_data = getattr(inner, "storage_data", None) or {}
+        infos = [storage_data[item.storage_index] for item in plan.items] if storage_data else []
+        recovery = self._recovery
+        if recovery is not None and recovery.tier != "shared":
+            fetch_missing(recovery, {info.relative_path for info in infos}, self.shared_path)
+            self.tier = recovery.tier
+        self.shared_bytes_read = sum(int(info.length) for info in infos) if self.tier == "shared" else 0
+        return inner.read_data(plan, planner)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

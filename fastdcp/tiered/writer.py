@@ -7,7 +7,11 @@ storage (a directory or ``s3://``) in the background and committed there last.
 rank's data files to the shared tier and the coordinator writes ``.metadata`` there once all of
 them are complete. ``writer.durable`` is the future of the last save's drain: on the coordinator it
 is done when the checkpoint is committed in the shared tier, on other ranks when this rank's files
-are there. The coordinator's is set at its local commit (None until then)."""
+are there. The coordinator's is set at its local commit (None until then).
+
+With ``replicas=k`` each rank's committed files (and the coordinator's ``.metadata``) are also sent
+to ``k`` peer ranks on other nodes in the background (:mod:`fastdcp.tiered.replicas`);
+``writer.replicated`` is that exchange's future."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import re
 from concurrent.futures import Future
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -26,7 +31,8 @@ from ..save.file_image import FilePlan
 from ..save.writer import FastFileSystemWriter
 from . import local_tier
 from .drain import LocalCommit, commit_when_drained, drain_rank_files
-from .newest import SHARED_LOCATION_FILE
+from .peers import PeerGroup, peer_group, ranks_on_this_node
+from .replicas import ReplicaJob, submit
 from .shared_tier import SharedTier, shared_tier_for
 
 __all__ = ["FastTieredWriter", "DEFAULT_DRAIN_TIMEOUT_S"]
@@ -46,13 +52,20 @@ class FastTieredWriter(FastFileSystemWriter):
     (default 2; a checkpoint not yet durable is never evicted). ``drain_timeout_s``: how long the
     coordinator waits for every rank's files to reach the shared tier before failing the drain.
     ``s3_options``: for an ``s3://`` shared tier (default: the ``AWS_*`` environment). Every
-    other argument is :class:`fastdcp.FastFileSystemWriter`'s, for the local commit."""
+    other argument is :class:`fastdcp.FastFileSystemWriter`'s, for the local commit.
+
+    ``replicas``: peer nodes that keep a copy of each rank's local files (default 0; needs
+    ``torch.distributed`` and more nodes than ``replicas``); ``node``: this process's node name
+    (default ``$FASTDCP_NODE``, else torchrun's ``GROUP_RANK``, else the host name)."""
 
     def __init__(self, path: str | os.PathLike, *args: Any, local_root: str | os.PathLike | None = None,
                  keep_local: int = 2, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-                 s3_options: S3Options | None = None, **kwargs: Any) -> None:
+                 s3_options: S3Options | None = None, replicas: int = 0, node: str | None = None,
+                 **kwargs: Any) -> None:
         if not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 0:
             raise ValueError(f"keep_local must be an int >= 0, got {keep_local!r}")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise ValueError(f"replicas must be an int >= 0, got {replicas!r}")
         if not drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {drain_timeout_s!r}")
         self.local_root = local_tier.local_root_from(local_root)
@@ -65,6 +78,26 @@ class FastTieredWriter(FastFileSystemWriter):
         self._rank_drain: Future | None = None
         self._commits = True  # whether this rank's finish() commits (see set_up_storage_writer)
         self._keep_for_write_through: list | None = None  # the file images a write-through still reads
+        self.replicas = replicas
+        self.node = node
+        self.replicated: Future | None = None
+        self._replica_job: ReplicaJob | None = None
+        if replicas and dist.is_available() and dist.is_initialized():
+            self._peers()  # the peer group is made collectively: here, on every rank alike
+
+    def _peers(self) -> PeerGroup:
+        """The process's peer group, checked to have room for this writer's replicas."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"FastTieredWriter(replicas={self.replicas}) needs torch.distributed initialized "
+                             "(torchrun, or init_process_group): replicas go to ranks on other nodes")
+        peers = peer_group(self.node)
+        nodes = len(peers.node_map.nodes)
+        if self.replicas >= nodes:
+            raise ValueError(f"FastTieredWriter(replicas={self.replicas}) needs more than {self.replicas} nodes; this "
+                             f"job runs on {nodes} ({', '.join(peers.node_map.names[:4])}"
+                             f"{', ...' if nodes > 4 else ''}): set FASTDCP_NODE per process where nodes are not "
+                             "told apart by host name or torchrun's GROUP_RANK, or lower replicas")
+        return peers
 
     @staticmethod
     def _shared_id(path: str | os.PathLike) -> str:
@@ -79,6 +112,12 @@ class FastTieredWriter(FastFileSystemWriter):
         state["durable"] = None  # futures stay in the process that drains
         state["_rank_drain"] = None
         state["_keep_for_write_through"] = None
+        if state.get("replicas"):
+            raise TypeError(f"FastTieredWriter(replicas={self.replicas}) cannot be sent to another process (its "
+                            "replicas travel over this process's peer group): use dcp.async_save's default "
+                            "thread mode, or replicas=0")
+        state["replicated"] = None
+        state["_replica_job"] = None
         return state
 
     @property
@@ -103,22 +142,48 @@ class FastTieredWriter(FastFileSystemWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self.durable = None
+        self.replicated = None
+        self._replica_job = None
+        if self.replicas:
+            self._peers()  # refused here, before anything is written, when replicas cannot be placed
         # The coordinator's (and, in a rank-local save, every rank's) durable future is the shared
         # commit, known only once finish() ran.
         self._commits = bool(is_coordinator) or not kwargs.get("use_collectives", True)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
         self._rank_drain = None
-        result = super().write_data(plan, planner)  # may start the write-through (_write_files)
-        result.wait()  # this rank's files are complete locally (the fast path is already done)
-        _record_shared_location(self.local_path, self.shared_path)
+        try:
+            result = super().write_data(plan, planner)  # may start the write-through (_write_files)
+            result.wait()  # this rank's files are complete locally (the fast path is already done)
+        except BaseException:
+            self._replicate(None)  # the peers still expect this save's exchange: an empty one
+            raise
+        local_tier.record_shared_location(self.local_path, self.shared_path)
+        prefix = self._written_prefix or ""
+        names = sorted(n for n in os.listdir(self.local_path) if prefix and n.startswith(prefix))
         if self._rank_drain is None:  # not staged: copy the local files once they are complete
-            prefix = self._written_prefix or ""
-            names = sorted(n for n in os.listdir(self.local_path) if prefix and n.startswith(prefix))
             self._rank_drain = drain_rank_files(self.shared_tier, self.local_path, names, _token_in(prefix) or "",
                                                 self._rank(), self.local_root, self.keep_local)
         self.durable = None if self._commits else self._rank_drain
+        self._replicate(names)
         return result
+
+    def _replicate(self, names: list[str] | None) -> None:
+        """Queue this save's exchange with the peer nodes (``names``: this rank's committed files;
+        None: its save failed)."""
+        if not self.replicas:
+            return
+        job = ReplicaJob(self._peers(), self.replicas, self.local_path, self.shared_path, names, self._commits)
+        self._replica_job = job
+        self.replicated = submit(job)
+
+    def _files_written_here(self, new_files: set[str]) -> set[str]:
+        """The local commit checks only the files of the ranks on this node: the others are in
+        their own nodes' local tiers (:func:`fastdcp.tiered.peers.ranks_on_this_node`)."""
+        here = ranks_on_this_node(self._peers() if self.replicas else None)
+        if here is None:
+            return new_files
+        return {name for name in new_files if (m := _RANK_OF_FILE.match(name)) is None or int(m.group(1)) in here}
 
     def _rank(self) -> int:
         return int(getattr(self, "rank", 0) or 0)
@@ -161,7 +226,13 @@ class FastTieredWriter(FastFileSystemWriter):
         super()._release_staging(planner)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)  # the local commit
+        job, self._replica_job = self._replica_job, None
+        try:
+            super().finish(metadata, results)  # the local commit
+        except BaseException:
+            if job is not None:
+                job.metadata.set_result(None)  # nothing committed: the peers get no .metadata
+            raise
         committed = self._last_commit
         assert committed is not None
         index_name = committed.chunk_index[0] if committed.chunk_index else None
@@ -175,6 +246,8 @@ class FastTieredWriter(FastFileSystemWriter):
         ranks = frozenset(int(m.group(1)) for m in map(_RANK_OF_FILE.match, data_files) if m)
         token = next(filter(None, map(_token_in, sorted(data_files))), None) or self._save_token or ""
         commit = LocalCommit(self.local_path, committed.name, metadata_bytes, tuple(side), data_files, token, ranks)
+        if job is not None and not job.metadata.done():
+            job.metadata.set_result([*side, (committed.name, metadata_bytes)])
         self.durable = commit_when_drained(self.shared_tier, commit, self._rank_drain, self.drain_timeout_s,
                                            self.local_root, self.keep_local)
 
@@ -191,12 +264,3 @@ def _token_in(name: str) -> str | None:
     """The save token in a fastdcp data file name or prefix (``__{rank}_{token}_...``)."""
     m = _TOKEN_IN_NAME.match(name)
     return m.group(1) if m else None
-
-
-def _record_shared_location(local_directory: str, shared_path: str) -> None:
-    """Note in the local directory which shared location it is a copy of (what
-    :func:`fastdcp.tiered.newest.newest_checkpoint` finds local copies by)."""
-    path = os.path.join(local_directory, SHARED_LOCATION_FILE)
-    if not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(shared_path + "\n")

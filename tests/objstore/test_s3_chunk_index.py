@@ -383,3 +383,23 @@ def test_a_resuming_rank_fetches_its_section_of_a_simulated_job(tmp_path, bucket
         assert read["read_bytes"] <= min(RESUME_BOUND, whole // 4), (rank, read, whole)
     for rank, read in info[f"{LOAD_HALF}_metadata_reads"].items():  # resharded to 8 ranks: a few sections
         assert read["from_section"] and read["read_bytes"] <= min(RESUME_BOUND, whole // 2), (rank, read, whole)
+
+
+
+def test_the_commit_objects_are_bytes_with_no_buffer_view_exported(bucket, monkeypatch):
+    """A view of an ``io.BytesIO`` buffer kept in a failed upload's traceback, collected in one
+    reference cycle with its buffer, crashed the interpreter in CPython 3.12.1's garbage collector:
+    the objects a commit PUTs are plain bytes."""
+    from fastdcp.objstore import commit
+
+    made = []
+    real = commit.metadata_objects
+
+    def record(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(commit, "metadata_objects", record)
+    _save(f"s3://{bucket}/bytes", _state(5))
+    ((body, (name, index)),) = made  # planned in bulk: .metadata and its chunk index
+    assert INDEX_RE.fullmatch(name) and type(body) is bytes and type(index) is bytes
