@@ -4,7 +4,9 @@ node without reading the shared tier.
 
 ``--replicas-ranks`` N gloo ranks on this machine (``spawn_ranks``), grouped into
 ``--replicas-nodes`` M simulated nodes of N/M consecutive ranks: node j's processes run with
-``FASTDCP_NODE=node<j>`` and share its local tier, a directory ``node<j>`` under ``--local-tier``.
+``FASTDCP_NODE=node<j>`` and torchrun's variables of that node (``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``), and share its local tier, a directory ``node<j>`` under
+``--local-tier``.
 The shared tier is a directory under ``--dir`` (the disk). Each rank trains its own copy of
 train_loop's model + AdamW (training_loop.py: ``--replicas-size`` bytes of state per rank, its
 own seed, the batch rank 0 calibrated to ``--train-step-ms``, all ranks stepping at once) and
@@ -35,14 +37,15 @@ from_peers=True)`` + ``dcp.load`` through ``FastTieredReader(..., from_peers=Tru
 
 * ``fastdcp_replicas``: rebuilt from the surviving nodes' local tiers (files moved between
   nodes): reads nothing from the shared tier;
-* ``fastdcp_tiered``: no replica of the lost node's files: its ranks read theirs from the shared
-  tier, the other ranks from their local tiers;
-* ``fastdcp_shared``: the same checkpoint once every node's local tier is gone: the whole load
-  from the shared tier (the reference "the same load from the shared tier");
+* ``fastdcp_tiered``: no replica of the lost node's files, so the checkpoint cannot be rebuilt
+  from the nodes: every rank reads the shared tier (the same load from the shared tier);
 * ``stock``: ``dcp.load`` with ``FileSystemReader`` from the shared directory (its path known:
   stock has no newest-checkpoint lookup).
 
-Before every load that reads the shared tier its page cache is made cold (``--cold``). There is
+Before the timed recoveries each rank saves and loads a small checkpoint (fastdcp's and stock's
+readers: no recovery pays the process's first load) and makes fastdcp's peer group (a collective,
+once per process; its time is recorded as ``peer_group_seconds``, not in the recoveries). Before
+every load that reads the shared tier its page cache is made cold (``--cold``). There is
 no way here to limit a directory's read bandwidth: the shared tier reads at the disk's speed (the
 run's measured read limit of ``dir``); ``--replicas-shared-mib-s`` (default 512) is the bandwidth
 of the shared tier the target is stated against: the whole state read at that rate is a lower
@@ -85,9 +88,9 @@ __all__ = ["run_replicas", "replicas_rows", "replicas_lines", "ReplicasRow", "no
 
 SCENARIO = "replicas"
 GROUP = "replicas"               # directory under the shared tier's target; removed by the runner afterwards
-NONE, STOCK, TIERED, REPLICAS, SHARED_ALL = "none", "stock", "fastdcp_tiered", "fastdcp_replicas", "fastdcp_shared"
+NONE, STOCK, TIERED, REPLICAS = "none", "stock", "fastdcp_tiered", "fastdcp_replicas"
 LOOP_SYSTEMS = (NONE, STOCK, TIERED, REPLICAS)
-RECOVERY_SYSTEMS = (REPLICAS, TIERED, SHARED_ALL, STOCK)   # in the order they run
+RECOVERY_SYSTEMS = (REPLICAS, TIERED, STOCK)   # in the order they run
 FASTDCP_SYSTEMS = (TIERED, REPLICAS)
 LOOP_TARGET = 0.05               # target: a loop with replicas within 5% of one without
 REPLICATED_STEPS_TARGET = 2.0    # target: replicated within 2 steps of the local commit
@@ -302,8 +305,15 @@ def _loops(rank: int, job: _Job, records: list[dict[str, Any]]) -> None:
                 writers: list[Any] = []
                 system = _loop_system(name, job, node, rep, writers)
                 root = job.shared_dir(name, rep)
+                release = system.release_pool if system is not None else None
+                if release:  # every loop starts with fastdcp's staging pool empty, as in tiered
+                    release()
                 dist.barrier()
-                run = run_loop(trainer, job.steps, job.every, system, root, snapshots if system else None)
+                try:
+                    run = run_loop(trainer, job.steps, job.every, system, root, snapshots if system else None)
+                finally:
+                    if release:
+                        release()
                 loop_s = _max(run.loop_seconds)
                 replicated: list[float | None] = []
                 for writer in writers:  # the clock is stopped: wait for every replica and every drain
@@ -358,21 +368,17 @@ def _recovery(rank: int, job: _Job, records: list[dict[str, Any]]) -> None:
     from .training_loop import flat
 
     node = node_of(rank, job.ranks, job.nodes)
-    first_of_node = rank == nodes_layout(job.ranks, job.nodes)[node][0]
     newest = _newest_checkpoint()
+    group_s = _warm_up_recovery(rank, job)
     for rep in range(job.repeats):
         for name in job.systems:
-            source = TIERED if name == SHARED_ALL else name
-            snap = _load_expected(job.expected_path(source, rep, rank))
-            want = job.last[f"{source}/rep{rep}"]
+            snap = _load_expected(job.expected_path(name, rep, rank))
+            want = job.last[f"{name}/rep{rep}"]
             dest = snap.destination()
-            parent = job.shared_dir(source, rep)
-            root = job.local_root(node, source, rep)
-            if name == SHARED_ALL and first_of_node:  # every node lost its local tier
-                shutil.rmtree(root, ignore_errors=True)
-                os.makedirs(root, exist_ok=True)
+            parent = job.shared_dir(name, rep)
+            root = job.local_root(node, name, rep)
             dist.barrier()
-            if rank == 0 and name in (TIERED, SHARED_ALL, STOCK) and job.cold_method:
+            if rank == 0 and name in (TIERED, STOCK) and job.cold_method:
                 make_cold(job.cold_method, parent)
             dist.barrier()
             t0 = time.perf_counter()
@@ -404,8 +410,38 @@ def _recovery(rank: int, job: _Job, records: list[dict[str, Any]]) -> None:
             records.append({"system": name, "rep": rep, "kind": "recovery", "seconds": seconds, "error": error,
                             "verification": error is not None,
                             "newest_seconds": newest_s, "load_seconds": load_s, "tier": tier,
-                            "shared_bytes_read": shared_bytes, "node": node})
+                            "shared_bytes_read": shared_bytes, "node": node, "peer_group_seconds": group_s})
             del dest, loaded
+
+
+def _warm_up_recovery(rank: int, job: _Job) -> float | None:
+    """Untimed, before the recoveries: a small checkpoint saved and loaded through fastdcp's and
+    stock's readers, so that no recovery pays the process's first load (imports, thread pools);
+    then fastdcp's peer group made (a collective, once per process). Returns the group's seconds,
+    the slowest rank's (None without fastdcp systems)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = os.path.join(job.shared, "warm_up")
+    state = {f"rank{rank}": torch.arange(1024, dtype=torch.float32) + rank}
+    if any(s in FASTDCP_SYSTEMS for s in job.systems):
+        from fastdcp import FastFileSystemReader, FastFileSystemWriter
+        from fastdcp.tiered.peers import peer_group
+
+        dcp.save(state, storage_writer=FastFileSystemWriter(path))
+        dcp.load(state, storage_reader=FastFileSystemReader(path))
+    else:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        dcp.save(state, storage_writer=FileSystemWriter(path))
+    dcp.load(state, storage_reader=FileSystemReader(path))
+    dist.barrier()
+    if not any(s in FASTDCP_SYSTEMS for s in job.systems):
+        return None
+    t0 = time.perf_counter()
+    peer_group()
+    return _max(time.perf_counter() - t0)
 
 
 def _rank(rank: int, job: _Job, port: int) -> None:
@@ -418,6 +454,11 @@ def _rank(rank: int, job: _Job, port: int) -> None:
     env = _node_env()
     if env:  # every process of a simulated node runs with its node's name
         os.environ[env] = node_name(node)
+    # ... and with what torchrun would tell it on that node (a tiered writer without replicas learns
+    # which ranks share its node, and so its local tier, from these alone)
+    per_node = job.ranks // job.nodes
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                      GROUP_RANK=str(node), WORLD_SIZE=str(job.ranks))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=job.ranks, timeout=timedelta(minutes=10))
@@ -488,6 +529,7 @@ def _record(ctx: Any, job: _Job, loop_systems: list[str], loops: list[dict[str, 
         rec.add(SCENARIO, "dir", name, {**cfg, "phase": "recovery"}, total_bytes, r0["seconds"], None,
                 {"lost_node": node_name(job.nodes - 1)},
                 recovery_seconds=r0["seconds"], newest_seconds=r0["newest_seconds"], load_seconds=r0["load_seconds"],
+                peer_group_seconds=r0["peer_group_seconds"] if name in FASTDCP_SYSTEMS else None,
                 shared_tier_bytes_read=sum(r["shared_bytes_read"] for r in ranks),
                 tiers=[r["tier"] for r in sorted(ranks, key=lambda r: r["rank"])], verified=True)
 
@@ -530,7 +572,7 @@ def run_replicas(ctx: Any, wheres: list[str]) -> None:
         job.last = {f"{r['system']}/rep{r['rep']}": r["path"] for r in records if r["kind"] == "checkpoint"}
         lost = nodes - 1
         _lose_node(job, lost)
-        recovery = [s for s in RECOVERY_SYSTEMS if s in systems or (s == SHARED_ALL and TIERED in systems)]
+        recovery = [s for s in RECOVERY_SYSTEMS if s in systems]
         job.phase, job.systems, job.out_path = "recovery", recovery, os.path.join(work, "recovery.json")
         ctx.progress(f"{SCENARIO}: {node_name(lost)} lost (its local tier removed, an empty one in its place); "
                      f"recovering with {' '.join(recovery)}")
@@ -549,8 +591,9 @@ def run_replicas(ctx: Any, wheres: list[str]) -> None:
 def _log_loops(ctx: Any, job: _Job, loops: list[dict[str, Any]]) -> None:
     for r in sorted((r for r in loops if r["rank"] == 0), key=lambda r: (r["rep"], job.systems.index(r["system"]))):
         msg = f"{SCENARIO} loop {r['system']:<17} {r['rep'] + 1}/{job.repeats}: {r['seconds']:7.3f} s"
-        if r["replicated"]:
-            msg += f", replicated (rank 0) {statistics.median(x for x in r['replicated'] if x is not None):.3f} s"
+        replicated = [x for x in r["replicated"] if x is not None]
+        if replicated:
+            msg += f", replicated (rank 0) {statistics.median(replicated):.3f} s from the call (median)"
         ctx.progress(msg)
 
 
@@ -584,6 +627,7 @@ class ReplicasRow:
     recovery_seconds: float | None = None
     newest_seconds: float | None = None
     load_seconds: float | None = None
+    peer_group_seconds: float | None = None     # made once per process, before the timed recoveries
     shared_tier_bytes_read: int | None = None   # the most of any repeat, every rank's together
     tiers: list[str] = field(default_factory=list)
     verified: bool | None = None
@@ -599,7 +643,7 @@ def _flat(values: list[list[float] | None]) -> list[float]:
 
 
 def replicas_rows(results: list[Result]) -> list[ReplicasRow]:
-    order = {n: i for i, n in enumerate((*LOOP_SYSTEMS, SHARED_ALL))}
+    order = {n: i for i, n in enumerate(LOOP_SYSTEMS)}
     mine = sorted((r for r in results if r.scenario == SCENARIO),
                   key=lambda r: (r.config.get("phase") != "loop", order.get(r.system, 99)))
     rows = []
@@ -624,6 +668,7 @@ def replicas_rows(results: list[Result]) -> list[ReplicasRow]:
             row.recovery_seconds = row.seconds
             row.newest_seconds = _median(ex.get("newest_seconds", []))
             row.load_seconds = _median(ex.get("load_seconds", []))
+            row.peer_group_seconds = _median(ex.get("peer_group_seconds", []))
             row.shared_tier_bytes_read = max(ex.get("shared_tier_bytes_read", [0]))
             row.tiers = sorted({t for per_rep in ex.get("tiers", []) for t in per_rep})
             row.verified = all(ex.get("verified", [False]))
@@ -659,14 +704,14 @@ def replicas_verdicts(rows: list[ReplicasRow], shared_mib_s: float | None,
                    f"{REPLICATED_STEPS_TARGET:g}): {'met' if met else 'NOT met'}")
     rk1 = recov.get(REPLICAS)
     if rk1 is not None:
-        shared = recov.get(SHARED_ALL)
+        shared = recov.get(TIERED)
         parts = []
         bound = None
         if shared_mib_s:
             bound = rk1.state_bytes / (shared_mib_s * (1 << 20))
             parts.append(f"at {shared_mib_s:g} MiB/s at least {bound:.3f} s")
         if shared is not None:
-            parts.append(f"measured {shared.recovery_seconds:.3f} s from the disk"
+            parts.append(f"{TIERED} (replicas=0) measured {shared.recovery_seconds:.3f} s from the disk"
                          + (f" (read limit {disk_read_gibps:.2f} GiB/s)" if disk_read_gibps else ""))
         reference = max([x for x in (bound, shared.recovery_seconds if shared else None) if x is not None],
                         default=None)
@@ -695,21 +740,24 @@ def replicas_lines(results: list[Result], shared_mib_s: float | None = None,
             "  slowdown = median of loop / none loop of the same repeat - 1; vs tiered = the same against "
             f"{TIERED} (replicas=0); committed = call -> upload_completion (slowest rank); replicated = call -> "
             "writer.replicated resolved on every rank; steps after commit = (replicated - committed) / step time.",
-            "  recovery = newest_checkpoint + dcp.load (stock: the load alone), barrier to barrier; shared read = "
+            "  recovery = newest_checkpoint + dcp.load (stock: the load alone), barrier to barrier; peer group = "
+            "fastdcp's peer group made before the recoveries (once per process, not in them); shared read = "
             "bytes every rank read from the shared tier; tiers = what FastTieredReader chose on the ranks."]
     loop_cells = [[r.system, f"{r.seconds:.3f}", _cell(r.slowdown_pct, "{:+.1f}%"), _cell(r.vs_tiered_pct, "{:+.1f}%"),
                    _cell(r.blocked_ms_max, "{:.1f}"), _cell(r.committed_s, "{:.3f}"),
                    "-" if r.replicated_s is None else f"{r.replicated_s:.3f} / {r.replicated_s_max:.3f}",
                    _cell(r.replicated_steps_after_commit_max, "{:.2f}")] for r in rows if r.phase == "loop"]
     rec_cells = [[r.system, f"{r.recovery_seconds:.3f}", _cell(r.newest_seconds, "{:.3f}"),
-                  _cell(r.load_seconds, "{:.3f}"), fmt_size(r.shared_tier_bytes_read or 0), ",".join(r.tiers),
+                  _cell(r.load_seconds, "{:.3f}"), _cell(r.peer_group_seconds, "{:.3f}"),
+                  fmt_size(r.shared_tier_bytes_read or 0), ",".join(r.tiers),
                   "yes" if r.verified else "NO"] for r in rows if r.phase == "recovery"]
     out = [*head]
     if loop_cells:
         out += _table(["system", "loop s", "slowdown", "vs tiered", "blocked ms max", "committed s",
                        "replicated s med/max", "steps after commit max"], loop_cells)
     if rec_cells:
-        out += ["", *_table(["recovery", "seconds", "newest s", "load s", "shared read", "tiers", "bit-exact"],
+        out += ["", *_table(["recovery", "seconds", "newest s", "load s", "peer group s (apart)", "shared read", "tiers",
+                             "bit-exact"],
                             rec_cells)]
     verdicts = replicas_verdicts(rows, shared_mib_s, disk_read_gibps)
     return out + (["targets:", *verdicts] if verdicts else [])

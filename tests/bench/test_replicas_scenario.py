@@ -62,8 +62,7 @@ def _results(k1_loop: float = 10.4, k1_shared_bytes: int = 0, k1_recovery: float
                     replicated_steps_after_commit=None if replicated is None else
                     [(a - c) / 0.1 for a, c in zip(replicated, committed)], checkpoints=ckpts)
         for name, seconds, shared, tiers in (("fastdcp_replicas", k1_recovery, k1_shared_bytes, ["local", "peers"]),
-                                             ("fastdcp_tiered", 0.5, nbytes // 2, ["local", "shared"]),
-                                             ("fastdcp_shared", 0.9, nbytes, ["shared"]),
+                                             ("fastdcp_tiered", 0.9, nbytes, ["shared"]),
                                              ("stock", 1.2, nbytes, ["shared"])):
             rec.add("replicas", "dir", name, {**cfg, "phase": "recovery"}, nbytes, seconds, None,
                     recovery_seconds=seconds, newest_seconds=0.01, load_seconds=seconds - 0.01,
@@ -84,11 +83,12 @@ def test_rows_and_targets_from_recorded_results():
     assert rk1.tiers == ["local", "peers"] and rk1.verified
     assert rows[("recovery", "stock")].shared_tier_bytes_read == 256 * MIB
     text = "\n".join(R.replicas_lines(_results(), 512.0, 1.2))
-    assert "fastdcp_replicas" in text and "fastdcp_shared" in text and "targets:" in text
+    assert "fastdcp_replicas" in text and "targets:" in text
     assert "vs fastdcp_tiered (target <= +5%): met" in text
     assert "steps after the local commit (target <= 2): NOT met" in text
     # 256 MiB at 512 MiB/s: at least 0.5 s; measured 0.9 s from the disk: 0.2 s <= 0.9 / 3
-    assert "at 512 MiB/s at least 0.500 s" in text and "measured 0.900 s from the disk (read limit 1.20 GiB/s)" in text
+    assert "at 512 MiB/s at least 0.500 s" in text
+    assert "fastdcp_tiered (replicas=0) measured 0.900 s from the disk (read limit 1.20 GiB/s)" in text
     assert "<= 0.300 s): met" in text
 
 
@@ -147,7 +147,7 @@ def test_replica_support_is_read_from_the_signatures(monkeypatch):
 
 
 TINY = ["--replicas-ranks", "2", "--replicas-nodes", "2", "--replicas-size", "2MiB", "--train-steps", "4",
-        "--train-every", "2", "--train-step-ms", "10", "--repeats", "1", "--no-shm", "--probe-size", "16MiB",
+        "--train-every", "2", "--train-batch", "4", "--repeats", "1", "--no-shm", "--probe-size", "16MiB",
         "--cold", "fadvise_dontneed"]
 
 
@@ -173,6 +173,36 @@ def test_stock_recovers_from_the_shared_tier_bit_exact(tmp_path):
 
 
 def test_a_recovery_that_loads_wrong_fails_the_run(tmp_path):
-    proc = _bench(tmp_path, "--systems", "stock", "--corrupt-after-load", "stock")
+    """The verification is live: one byte flipped after a recovery exits with 3 (the recovery from
+    a peer replica where this fastdcp has them, else stock's)."""
+    system, systems = ("stock", "stock") if R.replica_support() else ("fastdcp_replicas", "fastdcp")
+    proc = _bench(tmp_path, "--systems", systems, "--corrupt-after-load", system)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "NOT bit-exact" in proc.stderr and "replicas/stock/rep0" in proc.stderr
+    assert "NOT bit-exact" in proc.stderr and f"replicas/{system}/rep0" in proc.stderr
+
+
+@pytest.mark.skipif(R.replica_support() is not None, reason="this fastdcp has no peer replicas")
+def test_with_a_replica_the_recovery_reads_nothing_from_the_shared_tier(tmp_path):
+    """2 ranks on 2 nodes: the loops without and with a replica, node1 lost, both recovered; with
+    the replica every byte comes from the surviving node, bit-exact on both ranks."""
+    out = tmp_path / "r.json"
+    proc = _bench(tmp_path, "--systems", "fastdcp", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads(out.read_text())
+    results = {(r["config"]["phase"], r["system"]): r for r in doc["results"] if r["scenario"] == "replicas"}
+    assert set(results) == {("loop", "none"), ("loop", "fastdcp_tiered"), ("loop", "fastdcp_replicas"),
+                            ("recovery", "fastdcp_replicas"), ("recovery", "fastdcp_tiered")}
+    k1 = results[("loop", "fastdcp_replicas")]["extra"]
+    assert len(k1["replicated_s"][0]) == 2 and all(t > 0 for t in k1["replicated_s"][0])
+    assert k1["vs_tiered"][0] > 0 and len(k1["replicated_steps_after_commit"][0]) == 2
+    assert results[("loop", "fastdcp_tiered")]["extra"]["replicated_s"] == [None]
+    rec1 = results[("recovery", "fastdcp_replicas")]["extra"]
+    assert rec1["shared_tier_bytes_read"] == [0] and rec1["verified"] == [True] and rec1["recovery_seconds"][0] > 0
+    assert "shared" not in rec1["tiers"][0] and "peers" in rec1["tiers"][0]
+    rec0 = results[("recovery", "fastdcp_tiered")]["extra"]
+    assert rec0["shared_tier_bytes_read"][0] >= results[("recovery", "fastdcp_tiered")]["bytes"]
+    assert rec0["tiers"] == [["shared", "shared"]] and rec0["verified"] == [True]
+    rows = {(r["phase"], r["system"]): r for r in doc["replicas"]}
+    assert rows[("recovery", "fastdcp_replicas")]["shared_tier_bytes_read"] == 0
+    assert rows[("recovery", "fastdcp_replicas")]["recovery_seconds"] > 0
+    assert "recovery with replicas=1" in proc.stdout
