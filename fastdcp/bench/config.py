@@ -16,7 +16,7 @@ from .systems import ASYNC_VARIANT_NAMES, SYSTEM_NAMES, standin_requested
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "async_first", "train_loop",
-                 "tiered", "concurrency", "convert", "plan_scale", "s3", "read_once")
+                 "tiered", "concurrency", "convert", "plan_scale", "s3", "read_once", "replicas")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async", "gpu_async_new_writer")
 # In no default list: the box copy alone (GPU kernel, or the CPU engine where there is no GPU).
 EXTRA_SCENARIOS = ("box_copy",)
@@ -97,6 +97,10 @@ class BenchConfig:
     read_once_size: int = 128 * MiB         # read_once: state size
     read_once_rate_mib_s: float = 100.0     # read_once: the storage's bandwidth, shared by every rank
     read_once_replicas: tuple[int, ...] = (1, 2, 4)  # read_once: replica counts R (2 x R ranks)
+    replicas_ranks: int = 4                 # replicas: gloo ranks on this machine
+    replicas_nodes: int = 2                 # replicas: simulated nodes they are grouped into
+    replicas_size: int = 128 * MiB          # replicas: model + AdamW state per rank
+    replicas_shared_mib_s: float = 512.0    # replicas: the shared tier's bandwidth the target is stated against
     probe_bytes: int = 1 * GiB
     probe_configs: list[tuple[int, int]] = field(
         default_factory=lambda: [(1 * MiB, 1), (1 * MiB, 4), (8 * MiB, 1), (8 * MiB, 4)])
@@ -185,16 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reshard stages from ws2 (save Shard(0)@2, load Shard(1)@2), ws1 (load whole at "
                         "world size 1), ws4 (load Shard(0)@4); default ws2,ws4")
     p.add_argument("--train-steps", type=int,
-                   help="train_loop and tiered: training steps per loop (default 24, quick 12)")
+                   help="train_loop, tiered and replicas: training steps per loop (default 24, quick 12)")
     p.add_argument("--train-every", type=int,
-                   help="train_loop and tiered: an async_save every N steps (default 4, quick 3)")
+                   help="train_loop, tiered and replicas: an async_save every N steps (default 4, quick 3)")
     p.add_argument("--train-step-ms", type=float,
-                   help="train_loop and tiered: step time the batch is calibrated to (default 100)")
+                   help="train_loop, tiered and replicas: step time the batch is calibrated to (default 100)")
     p.add_argument("--train-batch", type=int,
-                   help="train_loop and tiered: this batch instead of calibrating one (min 2)")
+                   help="train_loop, tiered and replicas: this batch instead of calibrating one (min 2)")
     p.add_argument("--local-tier",
-                   help="tiered: the node-local directory the local tier goes in (default /dev/shm); the shared "
-                        "tier is a directory under --dir")
+                   help="tiered and replicas: the node-local directory the local tier goes in (default /dev/shm; "
+                        "replicas: a directory per simulated node in it); the shared tier is a directory under --dir")
     p.add_argument("--plan-ranks", type=lambda text: [int(t) for t in _csv(text)],
                    help="plan_scale: simulated rank counts N, each >= 2 (default 256,1024,4096; quick 4,16)")
     p.add_argument("--plan-budget", type=float,
@@ -227,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read_once: the storage bandwidth all ranks share, MiB/s (default 100)")
     p.add_argument("--read-once-replicas", type=str,
                    help="read_once: comma list of replica counts R, each run on 2 x R ranks (default 1,2,4)")
+    p.add_argument("--replicas-ranks", type=int,
+                   help="replicas: gloo ranks on this machine (default 4)")
+    p.add_argument("--replicas-nodes", type=int,
+                   help="replicas: simulated nodes of consecutive ranks, each with its own local tier; >= 2, "
+                        "dividing --replicas-ranks (default 2)")
+    p.add_argument("--replicas-size", type=parse_size,
+                   help="replicas: model + AdamW state per rank (default 128MiB)")
+    p.add_argument("--replicas-shared-mib-s", type=float,
+                   help="replicas: the shared tier's read bandwidth, MiB/s, that the recovery target is stated "
+                        "against (default 512; the shared tier here is a directory on the disk, read at its speed)")
     p.add_argument("--s3-delay-ms", type=float,
                    help="s3: one-way delay the proxy adds in the scenario's second run (default 10: a 20 ms "
                         "round trip)")
@@ -286,6 +300,22 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if not replicas or any(r < 1 for r in replicas):
             parser.error("--read-once-replicas must be a comma list of positive integers")
         c.read_once_replicas = replicas
+    for flag, name, least in (("--replicas-ranks", "replicas_ranks", 2), ("--replicas-nodes", "replicas_nodes", 2)):
+        value = getattr(a, name)
+        if value is not None:
+            if value < least:
+                parser.error(f"{flag} must be >= {least}")
+            setattr(c, name, value)
+    if c.replicas_ranks % c.replicas_nodes:
+        parser.error(f"--replicas-nodes {c.replicas_nodes} must divide --replicas-ranks {c.replicas_ranks}")
+    if a.replicas_size is not None:
+        if a.replicas_size <= 0:
+            parser.error("--replicas-size must be > 0")
+        c.replicas_size = a.replicas_size
+    if a.replicas_shared_mib_s is not None:
+        if a.replicas_shared_mib_s <= 0:
+            parser.error("--replicas-shared-mib-s must be > 0")
+        c.replicas_shared_mib_s = a.replicas_shared_mib_s
     c.small_large_bytes = max(64 * KiB, min(64 * MiB, c.size // 16))
     c.probe_bytes = max(64 * MiB, min(c.probe_bytes, max(c.size, 256 * MiB)))
     c.memcpy_bytes = max(16 * MiB, min(c.memcpy_bytes, c.size))

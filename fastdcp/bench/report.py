@@ -11,6 +11,7 @@ from typing import Any
 from .limits import Limits
 from .peers import PEER_SCENARIOS
 from .plan_scale_report import plan_scale_json
+from .replicas import replicas_rows
 from .results import SYSTEM_SPECIFIC_KEYS, Result
 
 LIMIT_POLICY = (
@@ -40,7 +41,7 @@ BASELINE_POLICY = (
 
 # Scenarios reported in a table of their own instead of the GiB/s table (their rows are times
 # and slowdowns, for which GiB/s means nothing).
-OWN_TABLE_SCENARIOS = ("train_loop", "tiered", "concurrency", "plan_scale")
+OWN_TABLE_SCENARIOS = ("train_loop", "tiered", "concurrency", "plan_scale", "replicas")
 
 
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -497,6 +498,7 @@ def write_json(path: str, machine: dict[str, Any], limits: Limits | None, result
         "train_loop": [asdict(row) for row in train_loop_rows(results)],
         "concurrency": [asdict(row) for row in concurrency_rows(results)],
         "plan_scale": plan_scale_json(results),
+        "replicas": [asdict(row) for row in replicas_rows(results)],
     }
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)

@@ -27,6 +27,7 @@ from .concurrency import run_concurrency
 from .convert import run_convert
 from .object_storage import run_s3
 from .read_once import run_read_once
+from .replicas import GROUP as REPLICAS_GROUP, replicas_lines, run_replicas
 from .plan_scale import run_plan_scale
 from .plan_scale_report import plan_scale_lines
 from .scenarios import SINGLE_PROCESS, Context, Progress, run_checkpoint_load, run_small
@@ -45,7 +46,7 @@ _NO_LOCAL_STORAGE = frozenset({"s3", "read_once", "plan_scale", "box_copy"})
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.
 SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
                     "convert": run_convert, "plan_scale": run_plan_scale, "box_copy": run_box_copy,
-                    "s3": run_s3, "read_once": run_read_once, "tiered": run_tiered}
+                    "s3": run_s3, "read_once": run_read_once, "tiered": run_tiered, "replicas": run_replicas}
 
 
 def _banner(lines: list[str]) -> None:
@@ -134,6 +135,11 @@ def _note_io_modes(ctx: Context, targets: dict[str, str]) -> None:
                      + (f"; {runs} of this run: {speeds}, medians" if speeds else "") + ")")
 
 
+def _read_limit(limits: object, where: str) -> float | None:
+    storage = getattr(limits, "storage", None) or {}
+    return storage[where].read_gibps if where in storage else None
+
+
 def _release(ctx: Context, group: str) -> None:
     for root in ctx.targets.values():
         shutil.rmtree(os.path.join(root, group), ignore_errors=True)
@@ -162,6 +168,9 @@ def _run(cfg: BenchConfig, ctx: Context) -> int:
         elif scen == "tiered":
             SCENARIO_RUNNERS[scen](ctx, ["dir"])  # the shared tier: a directory on the disk
             _release(ctx, TIERED_GROUP)
+        elif scen == "replicas":
+            SCENARIO_RUNNERS[scen](ctx, ["dir"])  # the shared tier: a directory on the disk
+            _release(ctx, REPLICAS_GROUP)
         elif scen in ASYNC_SCENARIOS:
             SCENARIO_RUNNERS[scen](ctx, [w for w in c.async_wheres if w in ctx.targets] or ["dir"])
             _release(ctx, "async")
@@ -242,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print_report(["", *lines, "", *table_lines(results), "", *summary_lines(results), "",
                       *peer_lines(results), "", *storage_lines(results, limits), "",
                       *reader_stats_lines(results), "", *train_loop_lines(results), "", *tiered_lines(results), "",
+                      *replicas_lines(results, cfg.replicas_shared_mib_s, _read_limit(limits, "dir")), "",
                       *concurrency_lines(results), "", *plan_scale_lines(results)])
         if cfg.json_path:
             write_json(cfg.json_path, machine, limits, results, run_description(cfg), ctx.notes)

@@ -6,7 +6,8 @@ The loop is train_loop's (training_loop.py: the same model + AdamW + BatchNorm, 
 calibrated to ``--train-step-ms``, a ``dcp.async_save`` every ``--train-every`` of
 ``--train-steps`` steps into a new directory through a new writer, the previous upload waited on
 at the next checkpoint step, the loop ending when its last upload future resolved, the exact state
-copied at each call with the loop's clock stopped). Systems, interleaved per repeat
+copied at each call with the loop's clock stopped; every loop, the first ``none`` too, starts with
+train_loop's untimed warm-up steps, so that none is timed cold). Systems, interleaved per repeat
 (none stock fastdcp fastdcp_local fastdcp_tiered none ...):
 
 * ``none``: the loop without checkpoints, the reference of ``loop_slowdown``;
@@ -298,6 +299,7 @@ class TieredLoopRecord:
     peak_method: str
     local_tier_bytes: int | None        # tmpfs bytes the loop left in the local tier (host memory too)
     checkpoints: int
+    warmup_s: float                     # the untimed warm-up steps before the loop's clock started
     verified_loads: int                 # bit-exact loads of this loop's checkpoints
     local_copies_unverified: int
     reader_tiers: list[str] | None      # fastdcp_tiered: the tier FastTieredReader loaded from
@@ -317,7 +319,7 @@ def _record(ctx: Context, where: str, device: str, name: str, loop: TieredLoop, 
         shared_drain_s=loop.shared_drain_s, final_wait_s=run.drain_seconds, copy_seconds=run.copy_seconds,
         peak_host_bytes=run.peak_host_bytes, start_host_bytes=run.start_host_bytes,
         peak_above_start_bytes=run.peak_host_bytes - run.start_host_bytes, peak_method=run.peak_method,
-        local_tier_bytes=loop.local_tier_bytes, checkpoints=len(run.checkpoints),
+        local_tier_bytes=loop.local_tier_bytes, checkpoints=len(run.checkpoints), warmup_s=run.warmup_seconds,
         verified_loads=loop.verified_loads, local_copies_unverified=loop.local_copies_unverified,
         reader_tiers=loop.reader_tiers, others_cpu_share=run.others_cpu_share, batch=trainer.batch,
         hidden=trainer.hidden, calibrated_step_seconds=step_s)

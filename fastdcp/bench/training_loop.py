@@ -7,7 +7,9 @@ checkpoints (``no_ckpt``): no_ckpt A B C no_ckpt A B C ... The checkpointed stat
 ``{"model": ..., "optim": ...}`` from ``torch.distributed.checkpoint.state_dict.get_state_dict``
 (it needs no process group): parameters + AdamW moments + steps + BatchNorm buffers, about
 ``--size`` bytes. AdamW state exists before the first checkpoint (warm-up steps calibrate the
-batch so that one step takes about ``--train-step-ms``).
+batch so that one step takes about ``--train-step-ms``). Every loop, the first too, starts with
+``WARMUP_STEPS`` untimed steps of the same work (``warmup_steps`` / ``warmup_seconds`` on its
+``loop`` row), so that no loop is timed cold.
 
 Every checkpoint goes into a new directory through a NEW writer (``storage_writer=Writer(path),
 checkpoint_id=path``). As torchtitan does, the previous checkpoint's upload is waited on at the
@@ -89,6 +91,7 @@ TRAIN_SYSTEMS = ("stock_default", "stock_zoc", "fastdcp_blocking", "fastdcp_over
 BUDGET_FRACTION = 4
 SHM = "/dev/shm"
 MIN_BATCH = 2                    # BatchNorm1d in training mode needs two samples
+WARMUP_STEPS = 2                 # untimed steps at the start of every loop, before its clock starts
 
 
 # --------------------------------------------------------------------------- the training step
@@ -163,6 +166,14 @@ class SyntheticTraining:
 
         msd, osd = get_state_dict(self.model, self.optimizer)
         return {"model": msd, "optim": osd}
+
+    def warm_up(self, n: int) -> float:
+        """`n` untimed steps (the same work as a loop's steps), so that the loop timed next does not
+        start cold; returns their seconds."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.step()
+        return time.perf_counter() - t0
 
     def timed_steps(self, n: int) -> list[float]:
         out = []
@@ -414,6 +425,9 @@ class LoopSystem:
     guard: Callable[[Any, Any], Any] | None = None     # fastdcp_overlap: fastdcp.guard
     release_pool: Callable[[], None] | None = None     # fastdcp: empty the staging pool between loops
     optional: bool = False  # a failure (not a verification failure) leaves it out with a note
+    # async_save's keyword arguments; None: a single process's (thread executor, no_dist where
+    # supported); a multi-rank loop passes {} so that the save runs over the default group
+    save_kwargs: dict[str, Any] | None = None
 
 
 def _zoc_unavailable() -> str | None:
@@ -556,6 +570,8 @@ class LoopRun:
     step_seconds: list[float] = field(default_factory=list)  # forward to optimizer step, per step
     others_cpu_seconds: float | None = None   # other processes' user CPU during the loop
     others_cpu_share: float | None = None     # ... as a share of all CPUs
+    warmup_steps: int = 0                     # untimed steps before the loop's clock started
+    warmup_seconds: float = 0.0
     checkpoints: list[CheckpointTiming] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
 
@@ -567,7 +583,7 @@ class _Checkpointer:
     def __init__(self, system: LoopSystem, trainer: SyntheticTraining) -> None:
         self.system = system
         self.trainer = trainer
-        self.kwargs = _async_kwargs("thread")
+        self.kwargs = _async_kwargs("thread") if system.save_kwargs is None else dict(system.save_kwargs)
         self.stager = system.make_stager() if system.make_stager else None
         self.guard = system.guard(trainer.optimizer, trainer.model) if system.guard else None
         self.pending: tuple[CheckpointTiming, Any] | None = None  # (timing, response)
@@ -636,9 +652,14 @@ class _Checkpointer:
 
 
 def run_loop(trainer: SyntheticTraining, steps: int, every: int, system: LoopSystem | None,
-             root: str, snapshots: SnapshotStore | None) -> LoopRun:
-    """N steps; with a system, an async_save after every `every`-th step into root/ckpt<i>."""
+             root: str, snapshots: SnapshotStore | None, warmup_steps: int = WARMUP_STEPS) -> LoopRun:
+    """`warmup_steps` untimed steps, then N timed steps; with a system, an async_save after every
+    `every`-th timed step into root/ckpt<i>."""
     run = LoopRun(system=system.name if system else NO_CKPT, loop_seconds=0.0, steps=steps)
+    # Every loop starts warm, the first of a run too: without these, the first loop of a one-repeat
+    # tiered run (the reference without checkpoints) took 7.8 s, the checkpointing loops after it
+    # 2.5-6.7 s, and every slowdown read negative.
+    run.warmup_steps, run.warmup_seconds = warmup_steps, trainer.warm_up(warmup_steps)
     ckpt = _Checkpointer(system, trainer) if system else None
     peak = HostPeak()
     try:
@@ -650,7 +671,8 @@ def run_loop(trainer: SyntheticTraining, steps: int, every: int, system: LoopSys
         t_start = time.perf_counter()
         for s in range(1, steps + 1):
             t_step = time.perf_counter()
-            trainer.forward_backward()
+            for _ in range(trainer.micro_steps):
+                trainer.forward_backward()
             if ckpt:
                 ckpt.before_optimizer_step()
             trainer.optimizer_step()
@@ -713,7 +735,8 @@ def _record(ctx: Context, where: str, device: str, run: LoopRun, base: LoopRun |
             peak_above_start_bytes=run.peak_host_bytes - run.start_host_bytes, peak_method=run.peak_method,
             drain_seconds=run.drain_seconds, checkpoints=len(run.checkpoints), step_seconds=run.step_seconds,
             state_dict_seconds=run.state_dict_seconds, copy_seconds=run.copy_seconds,
-            others_cpu_seconds=run.others_cpu_seconds, others_cpu_share=run.others_cpu_share, **extra_loop)
+            others_cpu_seconds=run.others_cpu_seconds, others_cpu_share=run.others_cpu_share,
+            warmup_steps=run.warmup_steps, warmup_seconds=run.warmup_seconds, **extra_loop)
     if base is None or system is None:
         return
     rec.add(SCENARIO, where, run.system, cfg("slowdown"), nbytes, run.loop_seconds - base.loop_seconds, None,
