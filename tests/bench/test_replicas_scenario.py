@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,22 +157,6 @@ def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                            *TINY, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-def test_stock_recovers_from_the_shared_tier_bit_exact(tmp_path):
-    out = tmp_path / "r.json"
-    proc = _bench(tmp_path, "--systems", "stock", "--json", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    doc = json.loads(out.read_text())
-    results = {(r["config"]["phase"], r["system"]): r for r in doc["results"] if r["scenario"] == "replicas"}
-    assert set(results) == {("loop", "none"), ("loop", "stock"), ("recovery", "stock")}
-    loop = results[("loop", "stock")]["extra"]
-    assert loop["checkpoints"] == [2] and len(loop["committed_s"][0]) == 2 and loop["loop_slowdown"][0] > 0
-    rec = results[("recovery", "stock")]
-    assert rec["extra"]["recovery_seconds"][0] > 0 and rec["extra"]["verified"] == [True]
-    assert rec["extra"]["shared_tier_bytes_read"] == [rec["bytes"]] and rec["extra"]["tiers"] == [["shared"] * 2]
-    assert {r["system"] for r in doc["replicas"]} == {"none", "stock"}
-    assert "recovery  seconds" in proc.stdout
-
-
 def test_a_recovery_that_loads_wrong_fails_the_run(tmp_path):
     """The verification is live: one byte flipped after a recovery exits with 3 (the recovery from
     a peer replica where this fastdcp has them, else stock's)."""
@@ -181,17 +166,25 @@ def test_a_recovery_that_loads_wrong_fails_the_run(tmp_path):
     assert "NOT bit-exact" in proc.stderr and f"replicas/{system}/rep0" in proc.stderr
 
 
-@pytest.mark.skipif(R.replica_support() is not None, reason="this fastdcp has no peer replicas")
 def test_with_a_replica_the_recovery_reads_nothing_from_the_shared_tier(tmp_path):
-    """2 ranks on 2 nodes: the loops without and with a replica, node1 lost, both recovered; with
-    the replica every byte comes from the surviving node, bit-exact on both ranks."""
+    """2 ranks on 2 nodes: stock's loop and the tiered loops without and with a replica, node1 lost,
+    each recovered; with the replica every byte comes from the surviving node, bit-exact on both
+    ranks; stock and k=0 read the shared tier."""
+    assert R.replica_support() is None  # this fastdcp has peer replicas
     out = tmp_path / "r.json"
-    proc = _bench(tmp_path, "--systems", "fastdcp", "--json", str(out))
+    proc = _bench(tmp_path, "--systems", "stock,fastdcp", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     doc = json.loads(out.read_text())
     results = {(r["config"]["phase"], r["system"]): r for r in doc["results"] if r["scenario"] == "replicas"}
-    assert set(results) == {("loop", "none"), ("loop", "fastdcp_tiered"), ("loop", "fastdcp_replicas"),
-                            ("recovery", "fastdcp_replicas"), ("recovery", "fastdcp_tiered")}
+    assert set(results) == {("loop", "none"), ("loop", "stock"), ("recovery", "stock"), ("loop", "fastdcp_tiered"),
+                            ("loop", "fastdcp_replicas"), ("recovery", "fastdcp_replicas"),
+                            ("recovery", "fastdcp_tiered")}
+    loop = results[("loop", "stock")]["extra"]
+    assert loop["checkpoints"] == [2] and len(loop["committed_s"][0]) == 2 and loop["loop_slowdown"][0] > 0
+    rec = results[("recovery", "stock")]
+    assert rec["extra"]["recovery_seconds"][0] > 0 and rec["extra"]["verified"] == [True]
+    assert rec["extra"]["shared_tier_bytes_read"] == [rec["bytes"]] and rec["extra"]["tiers"] == [["shared"] * 2]
+    assert re.search(r"recovery\s+seconds", proc.stdout), proc.stdout[-3000:]
     k1 = results[("loop", "fastdcp_replicas")]["extra"]
     assert len(k1["replicated_s"][0]) == 2 and all(t > 0 for t in k1["replicated_s"][0])
     assert k1["vs_tiered"][0] > 0 and len(k1["replicated_steps_after_commit"][0]) == 2
