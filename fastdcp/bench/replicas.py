@@ -32,7 +32,7 @@ state at the last checkpoint's call is kept for phase 2 (train_loop's verificati
 Phase 2, the recovery (a new spawn: the processes of phase 1 are gone): the last node's local
 tier is removed and an empty one takes its place (a replacement node). Then, per repeat, each
 system's last checkpoint is recovered on every rank, timed from a barrier to a barrier (the
-slowest rank): ``fastdcp.newest_checkpoint(<the loop's shared directory>, local_root=...,
+slowest rank): ``fastdcp.tiered.newest_checkpoint(<the loop's shared directory>, local_root=...,
 from_peers=True)`` + ``dcp.load`` through ``FastTieredReader(..., from_peers=True)``:
 
 * ``fastdcp_replicas``: rebuilt from the surviving nodes' local tiers (files moved between
