@@ -126,8 +126,7 @@ def peer_group(node: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     the same point). Precondition: ``torch.distributed`` is initialized."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("peers need torch.distributed initialized (torchrun, or init_process_group)")
-    default = dist.distributed_c10d._get_default_group()
-    key = (os.getpid(), id(default))
+    key = (os.getpid(), id(dist.group.WORLD))  # the default group of this process's current init
     with _groups_lock:
         found = _groups.get(key)
         if found is not None:  # (a broken one too: a new group would need every rank to make it at once)
