@@ -71,7 +71,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint import metadata as _md
 
-from .. import _C
+from .._native import _C
 from .chunk_table import NO_CHECKSUM, ChunkTable, RankRows, StorageColumns
 from .metadata import CheckpointFormatError, shown, unpickle_restricted
 from .metadata_emit import CHUNK_INDEX_ATTRIBUTE, _tensor_view
