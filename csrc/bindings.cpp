@@ -110,6 +110,39 @@ int64_t prepare_boxes(uint64_t table, int64_t num_boxes, uint64_t prefix)
                                      reinterpret_cast<int64_t*>(address(prefix)));
 }
 
+/// A contiguous read-only view of a Python object's bytes, held (and the export released) for the
+/// view's lifetime: while it is held, an exporter such as mmap or bytearray refuses to close or resize.
+class ContiguousBytes {
+ public:
+  /// Precondition: the GIL is held. Throws py::error_already_set (BufferError, TypeError) when `obj`
+  /// has no buffer protocol or its buffer is not C-contiguous (a strided numpy view, say).
+  explicit ContiguousBytes(const py::handle& obj)
+  {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_SIMPLE) != 0) { throw py::error_already_set(); }
+  }
+  ContiguousBytes(const ContiguousBytes&)            = delete;
+  ContiguousBytes& operator=(const ContiguousBytes&) = delete;
+  ~ContiguousBytes() { PyBuffer_Release(&view_); }  // destroyed with the GIL held
+
+  [[nodiscard]] const void* data() const noexcept { return view_.buf; }
+  [[nodiscard]] size_t size() const noexcept { return static_cast<size_t>(view_.len); }
+
+ private:
+  Py_buffer view_{};
+};
+
+/// CRC-32C (Castagnoli) of every byte of `data`, continuing `seed` (the CRC of the bytes before
+/// it: crc32c(b, crc32c(a)) == crc32c(a + b); an empty buffer returns `seed`).
+/// Preconditions: `data` exports a C-contiguous buffer (bytes, bytearray, memoryview, mmap, a
+/// contiguous numpy array); `seed` fits 32 bits. Runs on the calling thread with the GIL released,
+/// on the SSE4.2 path where the CPU has it, else on the table-driven fallback (csrc/crc32c.hpp).
+uint32_t crc32c_of_buffer(const py::handle& data, uint32_t seed)
+{
+  ContiguousBytes bytes(data);
+  py::gil_scoped_release release;
+  return fastdcp::crc32c(bytes.data(), bytes.size(), seed);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -133,6 +166,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
   });
 
   m.def("build_info", &build_info, "What the extension was compiled with.");
+  m.def("crc32c", &crc32c_of_buffer, py::arg("data"), py::arg("seed") = 0,
+        "CRC-32C of a C-contiguous buffer (bytes, bytearray, memoryview, mmap, numpy), continuing "
+        "seed (the CRC of the bytes before it), computed with the GIL released.");
   m.def("box_copy_size", [] { return sizeof(fastdcp::BoxCopy); },
         "sizeof(BoxCopy): the packed descriptor size prepare_boxes and launch_box_copy expect.");
   m.def("prepare_boxes", &prepare_boxes, py::arg("table_address"), py::arg("num_boxes"),

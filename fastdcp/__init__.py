@@ -40,16 +40,13 @@ def _acceptance_bootstrap() -> bool:
     return sys.argv[:2] == ["-m", "gpu-acceptance"]
 
 
+# Every module reaches the extension through fastdcp/_native.py, which says in one ImportError why
+# it cannot be loaded (fastdcp/_extension_error.py); here, first, so that `import fastdcp` says it.
 try:
-    from . import _C  # noqa: E402
-except ImportError as _exc:
+    from ._native import _C  # noqa: E402
+except ImportError:
     if not _acceptance_bootstrap():
-        from pathlib import Path as _Path
-
-        from ._extension_error import import_failure_message
-
-        raise ImportError(import_failure_message(_exc, _Path(__file__).parent, torch.__version__,
-                                                 torch.version.cuda)) from _exc
+        raise
     _C = None  # the acceptance command orchestrates only; its children import the built package
 
 if _C is not None:  # noqa: E402 - the public API, once the extension is there

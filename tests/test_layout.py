@@ -11,7 +11,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fastdcp"
 
-# What each part of the package may import from fastdcp (besides itself and the native _C).
+# The bottom module: the one way to the native extension fastdcp._C; every part may import it.
+BOTTOM = "fastdcp._native"
+# The package's face: the public API (its __init__) and ``python -m fastdcp``. Nothing below imports them.
+FACE = {"fastdcp", "fastdcp.__main__"}
+# What each part of the package may import from fastdcp (besides itself and BOTTOM).
 ALLOWED = {
     "compat": set(),
     "format": {"compat"},
@@ -22,6 +26,14 @@ ALLOWED = {
     "cli": {"format", "io", "load", "objstore", "compat"},
     "objstore": {"format", "io", "save", "load", "compat"},
     "tiered": {"format", "io", "save", "load", "objstore", "compat"},
+}
+# The top-level modules below the face, and what each may import from fastdcp: the bottom module
+# only the extension and its error message; default_storage (behind ``enable()``) the stages whose
+# classes it installs, and nothing imports it but the face.
+TOP_ALLOWED = {
+    "_extension_error": set(),
+    "_native": {"_C", "_extension_error"},
+    "default_storage": {"compat", "io", "save", "load", "objstore"},
 }
 TOP_LEVEL = {"fastdcp", "fastdcp.__main__", "fastdcp._C"}
 
@@ -106,11 +118,25 @@ def _part(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
 
 
+def _top(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) == 2 and parts[1] in TOP_ALLOWED else None
+
+
 def test_the_checks_catch_a_cycle_and_a_wrong_direction():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert _wrong_directions({"fastdcp.format.x": {"fastdcp.load.y"}}) == ["fastdcp.format.x -> fastdcp.load.y"]
     assert _wrong_directions({"fastdcp.save.x": {"fastdcp.default_storage"}}) == ["fastdcp.save.x -> fastdcp.default_storage"]
+    assert _wrong_directions({"fastdcp.format.x": {"fastdcp._native"}}) == []
+    assert _wrong_directions({"fastdcp._native": {"fastdcp.io.engine"}}) == ["fastdcp._native -> fastdcp.io.engine"]
+    assert _wrong_directions({"fastdcp.default_storage": {"fastdcp.tiered.x"}}) == [
+        "fastdcp.default_storage -> fastdcp.tiered.x"]
+    assert _wrong_directions({"fastdcp.default_storage": {"fastdcp"}}) == ["fastdcp.default_storage -> fastdcp"]
+    assert _past_the_bottom({"fastdcp.io.x": {"fastdcp._C"}, "fastdcp.load.y": {"fastdcp"},
+                             "fastdcp.bench.z": {"fastdcp", "fastdcp._C"}, "fastdcp._native": {"fastdcp._C"},
+                             "fastdcp": {"fastdcp._native"}}) == [
+        "fastdcp.bench.z -> fastdcp._C", "fastdcp.io.x -> fastdcp._C", "fastdcp.load.y -> fastdcp"]
 
 
 def test_the_graph_sees_every_module_and_its_imports():
@@ -118,7 +144,10 @@ def test_the_graph_sees_every_module_and_its_imports():
     assert {"fastdcp.format.blob", "fastdcp.save.writer", "fastdcp.load.reader", "fastdcp.cli"} <= set(graph)
     assert "fastdcp.format.blob" in graph["fastdcp.save.writer"]
     assert "fastdcp.load.gpu_placement" in graph["fastdcp.load.placement"]
-    assert "fastdcp._C" in graph["fastdcp.io.engine"]
+    assert "fastdcp._native" in graph["fastdcp.io.engine"]
+    assert "fastdcp._native" in graph["fastdcp.format.chunk_index"]
+    assert "fastdcp._C" in graph["fastdcp._native"]
+    assert "fastdcp.default_storage" in graph["fastdcp"]
 
 
 def test_no_import_cycles():
@@ -129,17 +158,39 @@ def _wrong_directions(graph: dict[str, set[str]]) -> list[str]:
     wrong = []
     for module, imported in graph.items():
         part = _part(module)
-        if part is None:
+        top = _top(module)
+        for target in imported:
+            if part is not None:
+                if _part(target) is None and target != BOTTOM:
+                    # Never upward: the package's __init__ and the top-level modules (default_storage)
+                    # sit above every stage; the extension is reached through the bottom module.
+                    wrong.append(f"{module} -> {target}")
+                target_part = _part(target)
+                if target_part is not None and target_part != part and target_part not in ALLOWED[part]:
+                    wrong.append(f"{module} -> {target}")
+            elif top is not None:
+                parts = target.split(".")
+                if len(parts) < 2 or parts[1] not in TOP_ALLOWED[top] | {BOTTOM.split(".")[1]}:
+                    wrong.append(f"{module} -> {target}")
+    return sorted(wrong)
+
+
+def _past_the_bottom(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of the package's face or of the extension itself by any module but the face and the
+    bottom module (the benchmark, a user of the public API, may import the face)."""
+    wrong = []
+    for module, imported in graph.items():
+        if module in FACE or module == BOTTOM:
             continue
         for target in imported:
-            if _part(target) is None and target != "fastdcp._C":
-                # Never upward: the package's __init__ and the top-level modules (default_storage)
-                # sit above every stage.
-                wrong.append(f"{module} -> {target}")
-            target_part = _part(target)
-            if target_part is not None and target_part != part and target_part not in ALLOWED[part]:
+            if target == "fastdcp._C" or (target == "fastdcp" and not module.startswith("fastdcp.bench")):
                 wrong.append(f"{module} -> {target}")
     return sorted(wrong)
+
+
+def test_only_the_bottom_module_imports_the_extension():
+    # Every module reaches fastdcp._C through fastdcp/_native.py; none reaches up to fastdcp/__init__.py.
+    assert _past_the_bottom(_graph()) == []
 
 
 def test_dependencies_point_one_way():

@@ -83,7 +83,7 @@ def _verify(pairs: list[tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
 def _kernel_copy(boxes: list[tuple[Any, ...]], device: torch.device) -> Callable[[], None]:
     """One launch of the box-copy kernel for every box, on the current stream; the descriptors
     are prepared once (as a load does per batch) and live in device memory."""
-    from .. import _C
+    from .._native import _C
     from ..load.gpu_placement import BOX_BYTES, pack_boxes
 
     n = len(boxes)
@@ -111,7 +111,7 @@ def run_box_copy(ctx, wheres: list[str]) -> None:
     if fast is None or fast.standin:
         ctx.note(f"{SCENARIO} skipped: it measures fastdcp's box copy (fastdcp not in --systems, or a stand-in)")
         return
-    from .. import _C
+    from .._native import _C
 
     cuda = bool(_C.build_info().get("cuda")) and hasattr(_C, "launch_box_copy") and torch.cuda.is_available()
     if torch.cuda.is_available() and not cuda:

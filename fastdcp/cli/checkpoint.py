@@ -116,7 +116,7 @@ class LocalFiles:
     def checksum_reader(self, data_files: dict[str, DataFile], options: Any) -> tuple[Any, dict[str, Any]]:
         """(an engine, ``{relative path: file}``) reading ``data_files`` (opened, without errors) for
         :func:`fastdcp.load.verify.verify_checksums`; the caller closes the files."""
-        from .. import _C
+        from .._native import _C
         from ..io.engine import get_engine
 
         return get_engine(options), {rel: _C.File(f.path, "r", False) for rel, f in data_files.items()}

@@ -63,7 +63,6 @@ import os
 import pickle
 import struct
 import sys
-import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -71,7 +70,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint import metadata as _md
 
-from .. import _C
+from .._native import _C
 from .chunk_table import NO_CHECKSUM, ChunkTable, RankRows, StorageColumns
 from .metadata import CheckpointFormatError, shown, unpickle_restricted
 from .metadata_emit import CHUNK_INDEX_ATTRIBUTE, _tensor_view
@@ -145,27 +144,14 @@ class ChunkIndex:
     edge_bytes: int = EDGE_BYTES  # the .metadata edges the two CRCs cover
 
 
-# ---------------------------------------------------------------------------------------------
-# CRC-32C (on the native engine's threads; one small engine per process)
-# ---------------------------------------------------------------------------------------------
-
-_engine_lock = threading.Lock()
-_engine: tuple[int, Any] | None = None  # (pid, engine): threads do not survive fork
-
-
-def _crc_engine() -> Any:
-    global _engine
-    with _engine_lock:
-        if _engine is None or _engine[0] != os.getpid():
-            _engine = (os.getpid(), _C.Engine(1, 1 << 20))
-        return _engine[1]
-
-
 def crc32c(data: Any, seed: int = 0) -> int:
-    """CRC-32C of a bytes-like object (continuing ``seed``, the CRC of the bytes before it)."""
-    if not len(memoryview(data)):
-        return seed
-    return int(_crc_engine().crc32c([(data, None, seed)])[0])
+    """CRC-32C of a bytes-like object, computed natively with the GIL released.
+
+    Args:
+        data: any C-contiguous buffer (bytes, bytearray, memoryview, mmap, numpy array).
+        seed: the CRC-32C of the bytes before ``data``; ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
+    """
+    return _C.crc32c(data, seed)
 
 
 def metadata_facts(f: BinaryIO, edge_bytes: int = EDGE_BYTES) -> tuple[int, int, int]:
@@ -522,12 +508,15 @@ class _SectionWriter:
 
     @staticmethod
     def _checksums(sections: list[tuple[Any, ...]]) -> list[int]:
-        """The CRC-32C of each section given as its parts, in one batched native call per part:
-        each part continues the CRC of the parts before it (the CRC of a+b is the CRC of b
-        seeded with the CRC of a), so no section is copied to be checksummed whole."""
-        crcs = [0] * len(sections)
-        for k in range(len(sections[0]) if sections else 0):
-            crcs = _crc_engine().crc32c([(section[k], None, crc) for section, crc in zip(sections, crcs)])
+        """The CRC-32C of each section given as its parts: each part continues the CRC of the parts
+        before it (the CRC of a+b is the CRC of b seeded with the CRC of a), so no section is
+        copied to be checksummed whole."""
+        crcs = []
+        for section in sections:
+            crc = 0
+            for part in section:
+                crc = crc32c(part, crc)
+            crcs.append(crc)
         return crcs
 
 

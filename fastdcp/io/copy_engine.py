@@ -245,7 +245,7 @@ class StandInCopier:
 
 def _native_batch() -> Any:
     """``_C.memcpy_batch_async`` when the extension was built with CUDA, else None."""
-    from .. import _C
+    from .._native import _C
 
     return getattr(_C, "memcpy_batch_async", None)
 
@@ -276,7 +276,7 @@ def _byte_box(dst: torch.Tensor, src: torch.Tensor) -> tuple | None:
 
 
 def _run_copies(work: queue.SimpleQueue, owner: "weakref.ref[StandInCopier]", threads: int) -> None:
-    from .. import _C
+    from .._native import _C
 
     engine = _C.Engine(threads, 8 << 20)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []

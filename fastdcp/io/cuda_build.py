@@ -42,7 +42,7 @@ def slow_gpu_path_message() -> str:
 @functools.cache
 def _built_with_cuda() -> bool:
     """``fastdcp.build_info()["cuda"]`` of this process's extension (it cannot change)."""
-    from .. import _C
+    from .._native import _C
 
     return bool(_C.build_info().get("cuda"))
 

@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from .. import _C
+from .._native import _C
 from ..compat.renamed import environ_get
 
 __all__ = ["IoOptions", "get_engine", "env_flag", "env_bytes", "default_copy_threads", "DIRECT_ALIGN"]

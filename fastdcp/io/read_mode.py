@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import _C
+from .._native import _C
 from .engine import IoOptions
 from .mode_history import HistoryBook, IoMode, ModeHistory
 from .write_mode import MIN_TIMED_BYTES

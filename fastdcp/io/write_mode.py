@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import _C
+from .._native import _C
 from .engine import IoOptions
 from .mode_history import HistoryBook, IoMode, ModeHistory
 

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _C
+from .._native import _C
 from ..io.copy_engine import is_standin_device_tensor
 from ..io.phases import span
 from ..io.pinned_pool import PinnedLease, lease_pinned

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from .. import _C
+from .._native import _C
 from ..format.blob import DATA_ALIGN, ZIP_ALIGN, BlobFormatError, blob_template
 from ..format.blob_parse import TensorBlobInfo, parse_tensor_blob
 

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from .. import _C
+from .._native import _C
 from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .. import _C
+from .._native import _C
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo
 from .header_pass import find_window

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from .. import _C
+from .._native import _C
 from ..io.engine import IoOptions
 from ..io.copy_engine import is_standin_device_tensor
 from ..io.cuda_build import warn_if_slow_gpu_path

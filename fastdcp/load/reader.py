@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .. import _C
+from .._native import _C
 from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
+from .._native import _C
 from ..format.checksums import ChecksummedItem
 
 __all__ = ["verify_checksums"]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .. import _C
+from .._native import _C
 from .client import ObjectAccessError, ObjectNotFoundError, ObjectStoreError, S3Options, object_error, require_obstore
 from .location import ObjectLocation
 

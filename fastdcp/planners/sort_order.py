@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
+from .._native import _C
 
 __all__ = ["stable_argsort", "RADIX_MIN_KEYS"]
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import _C
+from .._native import _C
 from ..format.blob import DATA_ALIGN, ZIP_ALIGN, tensor_blob_layout
 from ..format.metadata import CHECKSUM_ATTRIBUTE
 

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .. import _C
+from .._native import _C
 from ..compat.renamed import WRITER_RENAMES, renamed_arguments
 from ..compat.stock_stager import mend_default_stager
 from ..format.blob import ZIP_ALIGN, is_plain_dense

@@ -15,7 +15,7 @@ import secrets
 import time
 from typing import Any, Protocol
 
-from .. import _C
+from .._native import _C
 from ..io.engine import DIRECT_ALIGN, IoOptions, get_engine
 from ..io.write_mode import record_write, write_mode_for
 from ..io.checkpoint_files import fsync_directory
