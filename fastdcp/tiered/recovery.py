@@ -210,7 +210,8 @@ def fetch_missing(recovery: Recovery, needed: set[str], shared_path: str) -> Non
             if not holding:
                 raise FileNotFoundError(f"'{os.path.join(directory, name)}' is needed by rank {rank} and held by no "
                                         f"node (rebuilding '{shared_path}' from the local tiers)")
-            transfers.append((rank, name, peers.node_map.representative(holding[k % len(holding)])))
+            source_ranks = peers.node_map.nodes[holding[k % len(holding)]]  # any rank of a holder reads its files:
+            transfers.append((rank, name, source_ranks[(k // len(holding)) % len(source_ranks)]))  # spread the sends
     works: list = []
     for receiver, name, sender in transfers:
         if sender == peers.rank:
