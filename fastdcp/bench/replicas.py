@@ -474,9 +474,9 @@ def _spawn(job: _Job) -> list[dict[str, Any]]:
     wrong = [r["error"] for r in records if r.get("verification")]
     if wrong:
         raise VerificationError(wrong[0])
-    errors = [r["error"] for r in records if r.get("error")]
-    if errors:
-        raise RuntimeError(f"{SCENARIO} {job.phase}: {errors[0]}")
+    errors = [f"rank {r['rank']}: {r['error']}" for r in records if r.get("error")]
+    if errors:  # every rank's (the first may be the echo of another rank's failure)
+        raise RuntimeError(f"{SCENARIO} {job.phase}: " + "\n".join(errors))
     return records
 
 

@@ -80,8 +80,8 @@ def is_durable(directory: str, committed_in_shared: Callable[[str], bool] | None
         return False
     if DURABLE_MARKER in names:
         return True
-    present = set(names)  # (a sidecar whose file an overwrite removed marks nothing)
-    replicas = {n[len(REPLICA_PREFIX):] for n in names if n.startswith(REPLICA_PREFIX)} & present
+    # (a sidecar counts while its replica is still arriving, and after an overwrite removed its file)
+    replicas = {n[len(REPLICA_PREFIX):] for n in names if n.startswith(REPLICA_PREFIX) and not n.endswith(".tmp")}
     if METADATA_NAME in names and METADATA_NAME not in replicas:
         return False  # the coordinator's node: only the commit in the shared tier makes it durable
     own = {int(m.group(1)) for m in map(_RANK_FILE_RE.match, names) if m and m.group(0) not in replicas}

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..format.chunk_index import crc32c
 
 __all__ = ["NODE_ENV", "node_name", "ranks_on_this_node", "NodeMap", "PeerGroup", "peer_group", "send_file", "recv_file",
-           "send_bytes", "recv_bytes", "PeerTransferError", "PIECE_BYTES"]
+           "send_bytes", "recv_bytes", "skip_file", "PeerTransferError", "PIECE_BYTES"]
 
 NODE_ENV = "FASTDCP_NODE"
 PIECE_BYTES = 256 << 20
@@ -203,17 +203,46 @@ def send_file(group: Any, dst: int, path: str) -> tuple[list[Any], int]:
     return works, crc
 
 
+def _discard(group: Any, src: int, size: int) -> None:
+    """Read ``size`` bytes from ``src`` into scratch memory: the stream stays in step when there is
+    nowhere to put them."""
+    scratch = torch.empty(min(size, PIECE_BYTES), dtype=torch.uint8)
+    for _, length in _pieces(size):
+        dist.recv(scratch[:length], src, group=group)
+
+
+def skip_file(group: Any, src: int) -> int:
+    """Read one file message from ``src`` and drop it (a file that must not be written); returns its size."""
+    head = torch.empty(2, dtype=torch.int64)
+    dist.recv(head, src, group=group)
+    _discard(group, src, int(head[0]))
+    return int(head[0])
+
+
 def recv_file(group: Any, src: int, path: str) -> tuple[int, int]:
-    """Receive one file from ``src`` into ``path`` (through ``path.<random>.part``, renamed once its
-    CRC-32C matches the sender's); returns (size, crc32c). Raises :class:`PeerTransferError`."""
+    """Receive one file from ``src`` into ``path`` (through ``path.<random>.part``, its room
+    reserved first, renamed once its CRC-32C matches the sender's); returns (size, crc32c). Every
+    byte sent is read even when the file cannot be written (then the ``OSError`` is raised after).
+    Raises :class:`PeerTransferError` when the bytes arrived damaged."""
     head = torch.empty(2, dtype=torch.int64)
     dist.recv(head, src, group=group)
     size, crc = int(head[0]), int(head[1])
     part = f"{path}.{secrets.token_hex(6)}.part"
     try:
-        with open(part, "w+b") as f:
+        f = open(part, "w+b")
+        try:
             if size:
-                f.truncate(size)
+                os.posix_fallocate(f.fileno(), 0, size)  # a full tmpfs: ENOSPC here, not SIGBUS in the copy
+        except BaseException:
+            f.close()
+            raise
+    except OSError:
+        _discard(group, src, size)
+        _unlink_quietly(part)
+        raise
+    try:
+        with f:
+            if size:
                 with mmap.mmap(f.fileno(), size) as mapping:
                     whole = torch.frombuffer(mapping, dtype=torch.uint8)
                     for start, length in _pieces(size):
@@ -226,12 +255,16 @@ def recv_file(group: Any, src: int, path: str) -> tuple[int, int]:
             raise PeerTransferError(f"'{path}' from rank {src} arrived damaged (CRC-32C {found:08x}, sent {crc:08x})")
         os.replace(part, path)
     except BaseException:
-        try:
-            os.unlink(part)
-        except OSError:
-            pass
+        _unlink_quietly(part)
         raise
     return size, crc
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def wait_all(works: list[Any]) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..format.metadata import METADATA_NAME
 from . import local_tier
-from .peers import PeerGroup, PeerTransferError, recv_bytes, recv_file, send_bytes, send_file, wait_all
+from .peers import PeerGroup, PeerTransferError, recv_bytes, recv_file, send_bytes, send_file, skip_file, wait_all
 
 __all__ = ["ReplicaError", "ReplicaWarning", "ReplicaJob", "submit", "wait_idle", "REPLICA_PREFIX", "replica_sidecar",
            "read_sidecar"]
@@ -188,23 +188,42 @@ def _receive(job: ReplicaJob, source: int, names: list[str], what: str) -> str:
     (a damaged file is dropped; every byte is still read, so the stream stays in step)."""
     group = job.peers.group
     problems = []
-    os.makedirs(job.directory, exist_ok=True)
-    local_tier.record_shared_location(job.directory, job.shared_path)
+    try:
+        os.makedirs(job.directory, exist_ok=True)
+        local_tier.record_shared_location(job.directory, job.shared_path)
+    except OSError as error:
+        problems.append(str(error))  # (each file below then fails too, its bytes read all the same)
     for name in names:
         if not _safe_name(name):
-            raise ReplicaError(f"rank {source} sent a file named {name!r} for '{job.shared_path}'")
+            skip_file(group, source)
+            problems.append(f"a file named {name!r} is not kept (not a checkpoint file's name)")
+            continue
         path = os.path.join(job.directory, name)
+        side = replica_sidecar(job.directory, name)
+        try:
+            _write_json(side, {"receiving": True, "from_rank": source})  # a replica from here on (eviction)
+        except OSError:
+            pass  # the directory is gone (evicted as durable) or full: recv_file reports what it meets
         try:
             size, crc = recv_file(group, source, path)
-        except PeerTransferError as error:
+            _write_json(side, {"size": size, "crc32c": crc, "from_rank": source})
+        except FileNotFoundError:
+            # The local directory went while the bytes arrived: evicted as durable in the shared tier
+            # (a replica that lags behind the newest keep_local checkpoints); nothing to keep.
+            logger.info("tiered: replica %s not kept: its local directory was evicted", path)
+            continue
+        except (PeerTransferError, OSError) as error:
             problems.append(str(error))
             continue
-        with open(replica_sidecar(job.directory, name) + ".tmp", "w") as f:
-            json.dump({"size": size, "crc32c": crc, "from_rank": source}, f)
-        os.replace(replica_sidecar(job.directory, name) + ".tmp", replica_sidecar(job.directory, name))
     if problems:
         return f"{what} from rank {source}: " + "; ".join(problems)
     return ""
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
 
 
 def _safe_name(name: str) -> bool:

@@ -250,3 +250,28 @@ def test_replicas_without_a_second_node_or_in_another_process_are_refused_clearl
         pickle.dumps(writer)
     with pytest.raises(CheckpointException, match="needs torch.distributed initialized"):
         dcp.save({"w": torch.ones(4)}, storage_writer=writer, no_dist=True)
+
+
+def _wire_main(rank: int, work: str) -> None:
+    from fastdcp.tiered.peers import peer_group, recv_file, send_file, wait_all
+
+    with C.gloo_rank_mesh(rank, f"{work}/pg", 2):
+        os.environ["FASTDCP_NODE"] = f"n{rank}"
+        peers = peer_group()
+        if rank == 0:
+            works = []
+            for name, data in (("a", b"x" * 5000), ("b", bytes(range(256)) * 40)):
+                Path(work, name).write_bytes(data)
+                works += send_file(peers.group, 1, os.path.join(work, name))[0]
+            wait_all(works)
+        else:
+            with pytest.raises(FileNotFoundError):  # its directory went (evicted) while it arrived
+                recv_file(peers.group, 0, os.path.join(work, "gone", "a"))
+            assert recv_file(peers.group, 0, os.path.join(work, "b-copy"))[0] == 10240
+            assert Path(work, "b-copy").read_bytes() == bytes(range(256)) * 40  # the stream stayed in step
+            assert not [n for n in os.listdir(work) if n.endswith(".part")]
+        dist.barrier()
+
+
+def test_a_file_that_cannot_be_written_is_still_read_off_the_wire(tmp_path):
+    _run(_wire_main, (str(tmp_path),), 2)
