@@ -214,6 +214,10 @@ def _receive(job: ReplicaJob, source: int, names: list[str], what: str) -> str:
             continue
         except (PeerTransferError, OSError) as error:
             problems.append(str(error))
+            try:
+                os.unlink(side)  # nothing arrived: no replica to mark
+            except OSError:
+                pass
             continue
     if problems:
         return f"{what} from rank {source}: " + "; ".join(problems)
