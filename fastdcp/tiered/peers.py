@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..format.chunk_index import crc32c
 
-__all__ = ["NODE_ENV", "node_name", "ranks_on_this_node", "NodeMap", "PeerGroup", "peer_group", "send_file", "recv_file",
+__all__ = ["NODE_ENV", "node_name", "ranks_on_this_node", "existing_peer_group", "NodeMap", "PeerGroup", "peer_group", "send_file", "recv_file",
            "send_bytes", "recv_bytes", "skip_file", "PeerTransferError", "PIECE_BYTES"]
 
 NODE_ENV = "FASTDCP_NODE"
@@ -152,6 +152,14 @@ def ranks_on_this_node(peers: PeerGroup | None = None) -> set[int] | None:
         return None
     first = rank - local_rank
     return set(range(first, first + local_world))
+
+
+def existing_peer_group() -> PeerGroup | None:
+    """The process's :class:`PeerGroup` when one was made (no collective), else None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    with _groups_lock:
+        return _groups.get((os.getpid(), id(dist.group.WORLD)))
 
 
 def _pieces(size: int) -> list[tuple[int, int]]:

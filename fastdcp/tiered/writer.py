@@ -31,7 +31,7 @@ from ..save.file_image import FilePlan
 from ..save.writer import FastFileSystemWriter
 from . import local_tier
 from .drain import LocalCommit, commit_when_drained, drain_rank_files
-from .peers import NODE_ENV, PeerGroup, peer_group, ranks_on_this_node
+from .peers import NODE_ENV, PeerGroup, existing_peer_group, peer_group, ranks_on_this_node
 from .replicas import ReplicaJob, submit
 from .shared_tier import SharedTier, shared_tier_for
 
@@ -84,7 +84,7 @@ class FastTieredWriter(FastFileSystemWriter):
         self._replica_job: ReplicaJob | None = None
         # Nodes named (FASTDCP_NODE or node=): the node map says which ranks share the local tier.
         self._node_named = node is not None or bool(os.environ.get(NODE_ENV))
-        if dist.is_available() and dist.is_initialized():
+        if replicas and dist.is_available() and dist.is_initialized():
             self._peers()  # the peer group is made collectively: here, on every rank alike
 
     def _peers(self) -> PeerGroup | None:
@@ -152,8 +152,10 @@ class FastTieredWriter(FastFileSystemWriter):
         self.durable = None
         self.replicated = None
         self._replica_job = None
-        self._peers()  # made here on every rank (a collective the first time); replicas that cannot be placed
-        # are refused here, before anything is written
+        if kwargs.get("use_collectives", True):
+            # Made here on every rank of a collective save (a collective the first time); replicas that
+            # cannot be placed are refused here, before anything is written.
+            self._peers()
         # The coordinator's (and, in a rank-local save, every rank's) durable future is the shared
         # commit, known only once finish() ran.
         self._commits = bool(is_coordinator) or not kwargs.get("use_collectives", True)
@@ -190,7 +192,8 @@ class FastTieredWriter(FastFileSystemWriter):
     def _files_written_here(self, new_files: set[str]) -> set[str]:
         """The local commit checks only the files of the ranks on this node: the others are in
         their own nodes' local tiers (:func:`fastdcp.tiered.peers.ranks_on_this_node`)."""
-        here = ranks_on_this_node(self._peers())
+        # (only a group that exists: a rank-local save must not start a collective here)
+        here = ranks_on_this_node(existing_peer_group() if self.replicas or self._node_named else None)
         if here is None:
             return new_files
         return {name for name in new_files if (m := _RANK_OF_FILE.match(name)) is None or int(m.group(1)) in here}
