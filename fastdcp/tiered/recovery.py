@@ -18,7 +18,6 @@ every rank reads the shared tier, and a warning says which files were missing wh
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -32,7 +31,7 @@ from ..format.chunk_index import crc32c
 from ..format.metadata import METADATA_NAME
 from . import local_tier
 from .peers import PeerGroup, recv_bytes, recv_file, send_bytes, send_file, wait_all
-from .replicas import read_sidecar, replica_sidecar, wait_idle
+from .replicas import read_sidecar, replica_sidecar, wait_idle, write_sidecar
 
 __all__ = ["Inventory", "Recovery", "RecoveryWarning", "inventory", "plan_recovery", "fetch_missing",
            "rebuildable"]
@@ -182,15 +181,8 @@ def _store(directory: str, shared_path: str, name: str, data: bytes, source: int
     part = os.path.join(directory, f"{name}.{os.getpid()}.tmp")
     with open(part, "wb") as f:
         f.write(data)
-    _write_sidecar(directory, name, len(data), crc32c(data), source)
+    write_sidecar(directory, name, size=len(data), crc32c=crc32c(data), from_rank=source)
     os.replace(part, os.path.join(directory, name))
-
-
-def _write_sidecar(directory: str, name: str, size: int, crc: int, source: int) -> None:
-    side = replica_sidecar(directory, name)
-    with open(side + ".tmp", "w") as f:
-        json.dump({"size": size, "crc32c": crc, "from_rank": source}, f)
-    os.replace(side + ".tmp", side)
 
 
 def fetch_missing(recovery: Recovery, needed: set[str], shared_path: str) -> None:
@@ -219,7 +211,7 @@ def fetch_missing(recovery: Recovery, needed: set[str], shared_path: str) -> Non
     for receiver, name, sender in transfers:
         if receiver == peers.rank:
             size, crc = recv_file(peers.group, sender, os.path.join(directory, name))
-            _write_sidecar(directory, name, size, crc, sender)
+            write_sidecar(directory, name, size=size, crc32c=crc, from_rank=sender)
             recovery.moved += 1
     wait_all(works)
     if transfers:

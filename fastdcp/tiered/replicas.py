@@ -35,7 +35,7 @@ from ..format.metadata import METADATA_NAME
 from . import local_tier
 from .peers import PeerGroup, PeerTransferError, recv_bytes, recv_file, send_bytes, send_file, skip_file, wait_all
 
-__all__ = ["ReplicaError", "ReplicaWarning", "ReplicaJob", "submit", "wait_idle", "REPLICA_PREFIX", "replica_sidecar",
+__all__ = ["ReplicaError", "ReplicaWarning", "ReplicaJob", "submit", "wait_idle", "write_sidecar", "REPLICA_PREFIX", "replica_sidecar",
            "read_sidecar"]
 
 logger = logging.getLogger("fastdcp")
@@ -201,12 +201,12 @@ def _receive(job: ReplicaJob, source: int, names: list[str], what: str) -> str:
         path = os.path.join(job.directory, name)
         side = replica_sidecar(job.directory, name)
         try:
-            _write_json(side, {"receiving": True, "from_rank": source})  # a replica from here on (eviction)
+            write_sidecar(job.directory, name, receiving=True, from_rank=source)  # a replica from here on
         except OSError:
             pass  # the directory is gone (evicted as durable) or full: recv_file reports what it meets
         try:
             size, crc = recv_file(group, source, path)
-            _write_json(side, {"size": size, "crc32c": crc, "from_rank": source})
+            write_sidecar(job.directory, name, size=size, crc32c=crc, from_rank=source)
         except FileNotFoundError:
             # The local directory went while the bytes arrived: evicted as durable in the shared tier
             # (a replica that lags behind the newest keep_local checkpoints); nothing to keep.
@@ -224,10 +224,13 @@ def _receive(job: ReplicaJob, source: int, names: list[str], what: str) -> str:
     return ""
 
 
-def _write_json(path: str, value: dict) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f)
-    os.replace(path + ".tmp", path)
+def write_sidecar(directory: str, name: str, **fields: object) -> None:
+    """Write replica ``name``'s sidecar atomically (``size``, ``crc32c``, ``from_rank``; or
+    ``receiving`` while its bytes arrive)."""
+    side = replica_sidecar(directory, name)
+    with open(side + ".tmp", "w") as f:
+        json.dump(fields, f)
+    os.replace(side + ".tmp", side)
 
 
 def _safe_name(name: str) -> bool:
