@@ -36,6 +36,7 @@ class S3EndpointUnavailable(RuntimeError):
 
 
 SERVERS = ("seaweedfs", "moto")
+VOLUME_SLOTS = 4096  # SeaweedFS volumes the server may make (sparse files; one or a few per bucket)
 
 
 def _free_port() -> int:
@@ -107,6 +108,7 @@ class S3Endpoint:
         self.proxy: subprocess.Popen | None = None
         self.server_port = 0
         self.proxy_port = 0
+        self.master_port = 0  # SeaweedFS's master (its /dir/status), once started
 
     # --- life cycle ---------------------------------------------------------------------------- #
 
@@ -144,6 +146,7 @@ class S3Endpoint:
         ports = {flag: _free_port() for flag in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
             "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
+        self.master_port = ports["master.port"]
         data = self.workdir / "seaweedfs"
         data.mkdir(parents=True, exist_ok=True)
         log = self.workdir / "seaweedfs.log"
@@ -152,6 +155,9 @@ class S3Endpoint:
                    "-master.telemetry=false",  # by default it reports to a public address
                    f"-s3.port={self.server_port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                    "-s3.autoCreateBucket=false",  # as S3 does: a missing bucket is an error, not made on upload
+                   # every bucket takes volumes of its own; the default cap (free disk / volume size) runs
+                   # out after a few dozen buckets, and a PUT then fails with 500 InternalError
+                   f"-volume.max={VOLUME_SLOTS}",
                    "-webdav=false", "-admin.ui=false", *(f"-{flag}={port}" for flag, port in ports.items())]
         self._server_command = (command, data, {**os.environ, "AWS_ACCESS_KEY_ID": credentials["AWS_ACCESS_KEY_ID"],
                                                 "AWS_SECRET_ACCESS_KEY": credentials["AWS_SECRET_ACCESS_KEY"],
