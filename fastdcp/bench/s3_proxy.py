@@ -37,9 +37,13 @@ _CHUNK = 1 << 20
 
 
 def classify(method: str, target: str, headers: dict[str, str]) -> str:
-    """The S3 operation of a path-style request (``/bucket/key?query``)."""
+    """The S3 operation of a path-style request (``/bucket/key?query``), or the S3 name of an Azure
+    Blob request's operation (``/account/container/blob?comp=...``: Put Block is PUT_PART, Put Block
+    List COMPLETE_MULTIPART, List Blobs LIST, Copy Blob COPY, a batch DELETE)."""
     parts = urlsplit(target)
     query = parse_qs(parts.query, keep_blank_values=True)
+    if "x-ms-version" in headers:
+        return _classify_azure(method, query, headers)
     path = parts.path.lstrip("/")
     bucket_only = "/" not in path.rstrip("/")
     if method == "PUT":
@@ -64,6 +68,25 @@ def classify(method: str, target: str, headers: dict[str, str]) -> str:
         return "GET"
     if method == "HEAD":
         return "HEAD_BUCKET" if bucket_only else "HEAD"
+    return method
+
+
+def _classify_azure(method: str, query: dict, headers: dict[str, str]) -> str:
+    comp = (query.get("comp") or [""])[0]
+    if comp == "list":
+        return "LIST"
+    if comp == "batch":
+        return "DELETE"
+    if method == "PUT":
+        if comp == "block":
+            return "PUT_PART"
+        if comp == "blocklist":
+            return "COMPLETE_MULTIPART"
+        if "x-ms-copy-source" in headers:
+            return "COPY"
+        return "CREATE_BUCKET" if (query.get("restype") or [""])[0] == "container" else "PUT"
+    if method == "GET" and (query.get("restype") or [""])[0] == "container":
+        return "LIST" if comp == "list" else "HEAD_BUCKET"
     return method
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 
 from ..format.metadata import CheckpointFormatError
-from ..objstore.client import ObjectStoreError, S3Options, store_for
+from ..objstore.client import AzureOptions, ObjectStoreError, S3Options, default_options, store_for
 from ..objstore.leftovers import Leftovers, StoredObject, find_leftovers, remove_leftovers
 from ..objstore.location import ObjectLocation, is_object_url
 from .checkpoint import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, human_size
@@ -32,19 +32,19 @@ def _as_json(found: Leftovers, deleted: bool, failed: list[str]) -> dict:
             "deleted": deleted, "failed": failed}
 
 
-def run_gc(target: str, *, delete: bool, min_age_s: float, as_json: bool, options: S3Options | None = None) -> int:
+def run_gc(target: str, *, delete: bool, min_age_s: float, as_json: bool, options: S3Options | AzureOptions | None = None) -> int:
     """List (and with ``delete`` remove) the leftovers under ``target``; the exit status: 0 done, 1
     a ``.metadata`` that cannot be read safely or objects that could not be deleted, 2 usage."""
     if not is_object_url(target):
-        print(f"error: {target} is not an object storage URL (s3://bucket/prefix). A local directory needs no gc: "
+        print(f"error: {target} is not an object storage URL (s3://bucket/prefix, az://container/prefix). A local directory needs no gc: "
               f"every save into it removes what earlier saves left there.", file=sys.stderr)
         return EXIT_USAGE
     if min_age_s < 0:
         print(f"error: --min-age-s must be 0 or more, not {min_age_s:g}", file=sys.stderr)
         return EXIT_USAGE
-    options = options or S3Options()
     try:
         location = ObjectLocation.parse(target)
+        options = options or default_options(location)
         store = store_for(location, options)
         found = find_leftovers(store, location, options, min_age_s=min_age_s)
     except ValueError as error:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..format.metadata import METADATA_NAME, RANK_METADATA_RE, CheckpointNotFoundError
-from ..objstore.client import ObjectNotFoundError, ObjectStoreError, S3Options, object_error, require_obstore, store_for
+from ..objstore.client import (AzureOptions, ObjectNotFoundError, ObjectStoreError, S3Options, default_options, object_error,
+                               require_obstore, store_for)
 from ..objstore.commit import object_exists, read_checkpoint_metadata
 from ..objstore.leftovers import list_objects
 from ..objstore.location import ObjectLocation
@@ -86,14 +87,14 @@ class ObjectFiles:
             return []
 
 
-def open_object_checkpoint(url: str, allow_unsafe: bool, options: S3Options | None = None) -> Checkpoint:
+def open_object_checkpoint(url: str, allow_unsafe: bool, options: S3Options | AzureOptions | None = None) -> Checkpoint:
     """The checkpoint at ``url`` for ``inspect``/``verify``. Raises NotACheckpoint (naming the URL)
     when there is none or the store refuses, CheckpointFormatError for damaged metadata."""
     try:
         location = ObjectLocation.parse(url)
     except ValueError as error:
         raise NotACheckpoint(str(error)) from None
-    options = options if options is not None else S3Options()
+    options = options if options is not None else default_options(location)
     try:
         store = store_for(location, options)
         files = ObjectFiles(store, location, options)

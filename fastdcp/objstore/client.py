@@ -21,10 +21,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from .azure import AZURE_SCHEMES, AzureOptions, azure_store
+from .errors import (CREDENTIAL_HELP, BucketNotFoundError, _first_line, ObjectAccessError, ObjectExistsError, ObjectNotFoundError,
+                     ObjectStoreError, object_error, require_obstore)
 from .location import ObjectLocation
 
 __all__ = [
     "S3Options",
+    "AzureOptions",
+    "default_options",
+    "options_for",
     "ObjectStoreError",
     "ObjectNotFoundError",
     "BucketNotFoundError",
@@ -34,38 +40,6 @@ __all__ = [
     "object_error",
     "require_obstore",
 ]
-
-
-class ObjectStoreError(OSError):
-    """An object storage request failed; the message names the object (or bucket) and why."""
-
-
-class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
-    """The object (or its bucket) does not exist."""
-
-
-class BucketNotFoundError(ObjectNotFoundError):
-    """The bucket itself does not exist."""
-
-
-class ObjectAccessError(ObjectStoreError, PermissionError):
-    """The store refused the credentials, or they grant no access to the object."""
-
-
-class ObjectExistsError(ObjectStoreError, FileExistsError):
-    """A create-only write found the object already there."""
-
-
-def require_obstore() -> Any:
-    """The ``obstore`` module, or an ImportError saying how to install it."""
-    try:
-        import obstore
-    except ImportError as error:  # pragma: no cover - the test environment has it
-        raise ImportError(
-            "object storage paths (s3://...) need the 'obstore' package: pip install obstore "
-            "(or pip install 'fastdcp[s3]')"
-        ) from error
-    return obstore
 
 
 @dataclass(frozen=True)
@@ -122,23 +96,17 @@ class S3Options:
         """Where requests go, for error messages (never a secret)."""
         return self.endpoint() or "AWS S3"
 
+    def check_credentials(self) -> str:
+        """What an access-denied error asks the user to check."""
+        return _CHECK_CREDENTIALS
+
 
 _stores: dict[tuple, Any] = {}
 _stores_lock = threading.Lock()
 
 
-# What a user sets to give the client credentials: said by every credential error.
-CREDENTIAL_HELP = (
-    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary credentials), "
-    "or AWS_PROFILE naming a profile of ~/.aws/config, or pass "
-    "S3Options(access_key_id=..., secret_access_key=...)"
-)
-# What an access-denied error asks the user to check.
 _CHECK_CREDENTIALS = ("check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, or "
                       "S3Options.access_key_id / secret_access_key)")
-# Paths of the instance metadata service: obstore's last resort for credentials. A request to one
-# of them failing means that no credentials were found anywhere before it.
-_METADATA_PATHS = ("/latest/api/token", "/latest/meta-data/")
 
 
 def _credential_provider(location: ObjectLocation, options: S3Options) -> Any:
@@ -211,9 +179,40 @@ def _setup_error(location: ObjectLocation, options: S3Options, error: BaseExcept
                             f"AWS_ENDPOINT_URL (or S3Options.region / endpoint_url / extra_config)")
 
 
-def store_for(location: ObjectLocation, options: S3Options) -> Any:
-    """The obstore store of ``location``'s bucket with ``options``: one per process, bucket, options
-    and environment (client connections are pooled inside it)."""
+def default_options(location: ObjectLocation) -> S3Options | AzureOptions:
+    """The options of a store reached through its environment alone: :class:`AzureOptions` for
+    ``az://`` and ``abfs://``, else :class:`S3Options`."""
+    return AzureOptions() if location.scheme in AZURE_SCHEMES else S3Options()
+
+
+def options_for(location: ObjectLocation, s3_options: S3Options | None = None,
+                azure_options: AzureOptions | None = None) -> S3Options | AzureOptions:
+    """The options for ``location``'s store from a call's ``s3_options`` / ``azure_options`` (the one
+    of the other store is an error naming the URL), else from the environment alone."""
+    azure = location.scheme in AZURE_SCHEMES
+    wrong, right = ("s3_options", "azure_options") if azure else ("azure_options", "s3_options")
+    if (s3_options if azure else azure_options) is not None:
+        raise ValueError(f"{wrong} was given for {location.url()}, which is "
+                         f"{'Azure Blob Storage' if azure else 'S3'}: pass {right}")
+    chosen = azure_options if azure else s3_options
+    return chosen if chosen is not None else default_options(location)
+
+
+def store_for(location: ObjectLocation, options: S3Options | AzureOptions | None) -> Any:
+    """The obstore store of ``location``'s bucket or container with ``options`` (None: from the
+    environment): one per process, bucket, options and environment (connections pooled inside)."""
+    if options is None:
+        options = default_options(location)
+    if location.scheme in AZURE_SCHEMES:
+        if not isinstance(options, AzureOptions):
+            raise TypeError(f"{location.url()} is Azure Blob Storage: pass AzureOptions, not {type(options).__name__}")
+        return azure_store(location, options)
+    if not isinstance(options, S3Options):
+        raise TypeError(f"{location.url()} is S3: pass S3Options, not {type(options).__name__}")
+    return _s3_store(location, options)
+
+
+def _s3_store(location: ObjectLocation, options: S3Options) -> Any:
     obstore = require_obstore()
     from obstore.store import S3Store
 
@@ -258,42 +257,3 @@ def store_for(location: ObjectLocation, options: S3Options) -> Any:
             raise _setup_error(location, options, error) from error
         _stores[key] = store
         return store
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    # obstore's messages carry the server's XML body and a debug dump: keep what a user reads.
-    if "<Code>" in text:
-        code = text.split("<Code>", 1)[1].split("<", 1)[0]
-        return f"{code} ({text.splitlines()[0][:300]})"
-    return text.splitlines()[0][:400] if text else type(error).__name__
-
-
-def object_error(error: BaseException, url: str, action: str, options: S3Options | None = None) -> BaseException:
-    """``error`` from a request on ``url`` as a fastdcp error naming the object, what was being
-    done and what is wrong. Not an obstore error: returned unchanged."""
-    try:
-        from obstore import exceptions as ox
-    except ImportError:  # pragma: no cover
-        return error
-    where = f" at {options.describe()}" if options is not None else ""
-    detail = _first_line(error)
-    text = str(error)
-    if "NoSuchBucket" in text and isinstance(error, (ox.BaseError, FileNotFoundError)):
-        bucket = url.split("://", 1)[-1].split("/", 1)[0]
-        return BucketNotFoundError(f"{action} {url}: the bucket '{bucket}' does not exist{where}")
-    if isinstance(error, (ox.NotFoundError, FileNotFoundError)):
-        return ObjectNotFoundError(f"{action} {url}: no such object{where}")
-    if isinstance(error, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
-        return ObjectAccessError(f"{action} {url}: access denied{where}: {_CHECK_CREDENTIALS}: {detail}")
-    if any(path in text for path in _METADATA_PATHS):
-        return ObjectAccessError(f"{action} {url}: no S3 credentials were found{where} (not in S3Options, the "
-                                 f"environment, the AWS config files, nor the instance metadata service, "
-                                 f"which failed: {detail}); {CREDENTIAL_HELP}")
-    if isinstance(error, (ox.AlreadyExistsError, ox.PreconditionError, FileExistsError)):
-        return ObjectExistsError(f"{action} {url}: the object already exists{where}")
-    if isinstance(error, ox.BaseError):
-        if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "AccessDenied" in text:
-            return ObjectAccessError(f"{action} {url}: access denied{where}: {_CHECK_CREDENTIALS}: {detail}")
-        return ObjectStoreError(f"{action} {url} failed{where}: {detail}")
-    return error

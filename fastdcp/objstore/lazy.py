@@ -16,7 +16,8 @@ from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.engine import get_engine
 from ..load.lazy import LazyCheckpoint
-from .client import S3Options, store_for
+from ..io.backends import backend_for
+from .client import AzureOptions, S3Options, options_for, store_for
 from .commit import read_checkpoint_metadata
 from .location import ObjectLocation
 from .streams import ObjectStreams
@@ -26,11 +27,12 @@ __all__ = ["ObjectCheckpoint", "open_object_checkpoint"]
 
 
 class ObjectCheckpoint(LazyCheckpoint):
-    """:class:`fastdcp.load.lazy.LazyCheckpoint` over ``s3://bucket/prefix``."""
+    """:class:`fastdcp.load.lazy.LazyCheckpoint` over ``s3://bucket/prefix`` or ``az://container/prefix``."""
 
-    def __init__(self, url: str, *, s3_options: S3Options | None = None, **kwargs: Any) -> None:
+    def __init__(self, url: str, *, s3_options: S3Options | None = None, azure_options: AzureOptions | None = None,
+                 **kwargs: Any) -> None:
         self.location = ObjectLocation.parse(url)
-        self.s3_options = s3_options if s3_options is not None else S3Options()
+        self.s3_options = options_for(self.location, s3_options, azure_options)
         kwargs.pop("direct_io", None)
         super().__init__(self.location.url(), direct_io=False, **kwargs)
 
@@ -62,10 +64,11 @@ class ObjectCheckpoint(LazyCheckpoint):
 def open_object_checkpoint(url: str | os.PathLike, *, device: str | torch.device = "cpu",
                            allow_unsafe_metadata: bool = False, io_threads: int | None = None,
                            read_buffer_limit_bytes: int | None = None, extension_registry: Any = None,
-                           s3_options: S3Options | None = None, direct_io: bool | None = None) -> ObjectCheckpoint:
-    """``fastdcp.open`` for ``s3://`` URLs (``direct_io`` is accepted, as for a local path, and
-    means nothing for objects)."""
-    return ObjectCheckpoint(str(url), s3_options=s3_options, device=device,
+                           s3_options: S3Options | None = None, azure_options: AzureOptions | None = None,
+                           direct_io: bool | None = None) -> ObjectCheckpoint:
+    """``fastdcp.open`` for object storage URLs (``direct_io`` is accepted, as for a local path,
+    and means nothing for objects)."""
+    return ObjectCheckpoint(str(url), s3_options=s3_options, azure_options=azure_options, device=device,
                             allow_unsafe_metadata=allow_unsafe_metadata, io_threads=io_threads,
                             read_buffer_limit_bytes=read_buffer_limit_bytes, extension_registry=extension_registry)
 
@@ -73,16 +76,20 @@ def open_object_checkpoint(url: str | os.PathLike, *, device: str | torch.device
 @renamed_arguments(READER_RENAMES, name="fastdcp.open")
 def open_any(path: str | os.PathLike, *, device: str | torch.device = "cpu", allow_unsafe_metadata: bool = False,
              direct_io: bool | None = None, io_threads: int | None = None, read_buffer_limit_bytes: int | None = None,
-             extension_registry: Any = None, s3_options: S3Options | None = None) -> LazyCheckpoint:
+             extension_registry: Any = None, s3_options: S3Options | None = None,
+             azure_options: AzureOptions | None = None) -> LazyCheckpoint:
     """``fastdcp.open(path)``: a local checkpoint directory (:func:`fastdcp.load.lazy.open_checkpoint`)
-    or an ``s3://`` URL (:func:`open_object_checkpoint`; ``s3_options`` is for those, ``direct_io``
-    means nothing there)."""
+    or a URL, opened by the backend registered for its scheme (:mod:`fastdcp.io.backends`;
+    ``s3_options`` / ``azure_options`` are for those stores, ``direct_io`` means nothing there)."""
     from ..load.lazy import open_checkpoint
-    from .location import is_object_url
 
     kwargs: dict[str, Any] = dict(device=device, allow_unsafe_metadata=allow_unsafe_metadata, direct_io=direct_io,
                                   io_threads=io_threads, read_buffer_limit_bytes=read_buffer_limit_bytes,
                                   extension_registry=extension_registry)
-    if is_object_url(path):
-        return open_object_checkpoint(path, s3_options=s3_options, **kwargs)
-    return open_checkpoint(path, **kwargs)
+    backend = backend_for(path)
+    if backend is None:
+        return open_checkpoint(path, **kwargs)
+    for name, value in (("s3_options", s3_options), ("azure_options", azure_options)):
+        if value is not None:
+            kwargs[name] = value
+    return backend.load("opener")(str(path), **kwargs)

@@ -1,4 +1,5 @@
-"""FastS3Reader: a DCP checkpoint read from object storage (``s3://bucket/prefix``).
+"""FastObjectReader: a DCP checkpoint read from object storage (``s3://bucket/prefix``,
+``az://container/prefix``).
 
 The load path of :class:`fastdcp.FastFileSystemReader` (blob headers read in one merged pass,
 pieces planned from the run tables, placed straight into destinations or through bounded staging),
@@ -24,21 +25,24 @@ from ..io.engine import get_engine
 from ..load.deadline import DEADLINE_FROM_ENV
 from ..load.reader import FastFileSystemReader, _default_group_rank
 from ..load.sectioned_metadata import SectionedTableMetadata, metadata_bytes_read
-from .client import S3Options
+from .azure import AZURE_SCHEMES
+from .client import AzureOptions, S3Options
 from .commit import is_object_name
 from .indexed_metadata import ObjectFetches, check_object_names, read_object_metadata
 from .location import ObjectLocation
-from .located import AtObjectLocation
+from .located import AtObjectLocation, options_signature
 from .transfer import ObjectFile, ObjectReadEngine
 
-__all__ = ["FastS3Reader"]
+__all__ = ["FastObjectReader", "FastS3Reader", "FastAzureReader"]
 
 
-class FastS3Reader(AtObjectLocation, FastFileSystemReader):
-    """Drop-in for stock's ``FsspecReader`` on ``s3://`` paths: ``FastS3Reader("s3://bucket/run1/step100")``.
+class FastObjectReader(AtObjectLocation, FastFileSystemReader):
+    """Drop-in for stock's ``FsspecReader`` on object storage paths, one class for every store;
+    :class:`FastS3Reader` and :class:`FastAzureReader` name its options keyword for theirs:
+    ``FastS3Reader("s3://bucket/run1/step100")``.
 
-    ``s3_options``: :class:`~fastdcp.objstore.client.S3Options` (endpoint, credentials, retries,
-    request size, requests in flight); unset, the usual ``AWS_*`` environment.
+    ``store_options``: :class:`S3Options` or :class:`AzureOptions` (endpoint, credentials,
+    retries, request size, requests in flight); unset, the store's usual environment.
     ``read_buffer_limit_bytes``, ``allow_unsafe_metadata``, ``verify_checksums``, ``load_deadline_s``,
     ``read_once``: as
     :class:`fastdcp.FastFileSystemReader`. ``last_stats`` counts the GET requests and bytes
@@ -52,7 +56,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
         path: str,
         _extension_registry: Any = None,
         *,
-        s3_options: S3Options | None = None,
+        store_options: S3Options | AzureOptions | None = None,
         read_buffer_limit_bytes: int | None = None,
         allow_unsafe_metadata: bool = False,
         verify_checksums: bool | None = None,
@@ -70,7 +74,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
             load_deadline_s=load_deadline_s,
             read_once=read_once,
         )
-        self._settle(self.location, s3_options)
+        self._settle(self.location, store_options)
         self._engine: ObjectReadEngine | None = None
         # The metadata requests and bytes of every load through this reader, and where the
         # current load's began (metadata_bytes_read(), requests).
@@ -84,7 +88,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
         self._metadata_mark = (metadata_bytes_read(), self.metadata_fetched.requests)
         name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
         group_rank = _default_group_rank() if rank is None else None
-        metadata = read_object_metadata(self._store(), self.location, name, self.s3_options,
+        metadata = read_object_metadata(self._store(), self.location, name, self.store_options,
                                         self.allow_unsafe_metadata, sectioned=group_rank is not None,
                                         fetches=self.metadata_fetched)
         if isinstance(metadata, SectionedTableMetadata):
@@ -101,7 +105,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
 
     def _read_engine(self, direct: bool) -> ObjectReadEngine:
         if self._engine is None:
-            self._engine = ObjectReadEngine(get_engine(self.io_options), self.s3_options)
+            self._engine = ObjectReadEngine(get_engine(self.io_options), self.store_options)
         return self._engine
 
     def _open(self, relative_path: str) -> ObjectFile:
@@ -110,7 +114,7 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
         if not is_object_name(relative_path):
             raise CheckpointFormatError(f"{self.location.url()}: the metadata names a data object {relative_path!r} "
                                         "outside the checkpoint")
-        return ObjectFile(self._store(), self.location, relative_path, self.s3_options)
+        return ObjectFile(self._store(), self.location, relative_path, self.store_options)
 
     def read_data(self, plan: Any, planner: LoadPlanner) -> Any:
         engine = self._read_engine(False)
@@ -125,3 +129,27 @@ class FastS3Reader(AtObjectLocation, FastFileSystemReader):
         if metadata is not None:
             self.last_stats["metadata_bytes"], self.last_stats["metadata_requests"] = metadata
         return future
+
+
+class FastS3Reader(FastObjectReader):
+    """:class:`FastObjectReader` for ``s3://bucket/prefix``; ``s3_options``: :class:`S3Options`
+    (unset: the ``AWS_*`` environment)."""
+
+    schemes = ("s3",)
+
+    def __init__(self, path: str, *args: Any, s3_options: S3Options | None = None, **kwargs: Any) -> None:
+        super().__init__(path, *args, store_options=s3_options, **kwargs)
+
+    __init__.__signature__ = options_signature(FastObjectReader.__init__, "s3_options", S3Options)  # type: ignore[attr-defined]
+
+
+class FastAzureReader(FastObjectReader):
+    """:class:`FastObjectReader` for Azure Blob Storage (``az://`` or ``abfs://``);
+    ``azure_options``: :class:`AzureOptions` (unset: the ``AZURE_STORAGE_*`` environment)."""
+
+    schemes = AZURE_SCHEMES
+
+    def __init__(self, path: str, *args: Any, azure_options: AzureOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(path, *args, store_options=azure_options, **kwargs)
+
+    __init__.__signature__ = options_signature(FastObjectReader.__init__, "azure_options", AzureOptions)  # type: ignore[attr-defined]

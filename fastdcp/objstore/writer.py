@@ -1,4 +1,5 @@
-"""FastS3Writer: a DCP checkpoint written to object storage (``s3://bucket/prefix``).
+"""FastObjectWriter: a DCP checkpoint written to object storage (``s3://bucket/prefix``,
+``az://container/prefix``).
 
 The same planning as :class:`fastdcp.FastFileSystemWriter` (files per rank, each planned as an
 image of segments by :mod:`fastdcp.save.file_image`; ``dcp.async_save`` staging), with the images
@@ -31,13 +32,14 @@ from ..save.file_image import FilePlan
 from ..save import writer as disk_writer
 from ..save.writer import FastFileSystemWriter
 from . import commit
-from .client import S3Options
+from .azure import AZURE_SCHEMES
+from .client import AzureOptions, S3Options
 from .location import ObjectLocation
-from .located import AtObjectLocation
+from .located import AtObjectLocation, options_signature
 from .device_upload import UploadRing, ring_slots, upload_device_image
 from .transfer import delete_objects, transfer_pool, upload_image, wait_all
 
-__all__ = ["FastS3Writer", "key_prefixes_from", "MAX_KEY_PREFIXES"]
+__all__ = ["FastObjectWriter", "FastS3Writer", "FastAzureWriter", "key_prefixes_from", "MAX_KEY_PREFIXES"]
 
 # The most sub-prefixes a checkpoint's data objects are spread over.
 MAX_KEY_PREFIXES = 1 << 16
@@ -60,17 +62,18 @@ def key_prefixes_from(value: int | None) -> int:
     return value
 
 
-class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
-    """Drop-in for stock's ``FsspecWriter`` on ``s3://`` paths (and for ``FileSystemWriter``):
-    ``FastS3Writer("s3://bucket/run1/step100")``.
+class FastObjectWriter(AtObjectLocation, FastFileSystemWriter):
+    """Drop-in for stock's ``FsspecWriter`` on object storage paths (and for ``FileSystemWriter``),
+    one class for every store; :class:`FastS3Writer` and :class:`FastAzureWriter` name its options
+    keyword for theirs: ``FastS3Writer("s3://bucket/run1/step100")``.
 
     Takes stock's arguments (``single_file_per_rank``, ``thread_count`` as files per rank,
     ``overwrite``, ...; ``sync_files`` is accepted and means nothing more here: an object is
-    durable once its upload completes). ``s3_options``: :class:`S3Options` (endpoint, region,
-    credentials, retries, part size, requests in flight); unset, everything comes from the usual
-    ``AWS_*`` environment. ``checksums``, ``async_staging``, ``snapshot_limit_bytes``,
+    durable once its upload completes). ``store_options``: :class:`S3Options` or :class:`AzureOptions` (endpoint,
+    credentials, retries, part size, requests in flight); unset, everything comes from the store's
+    usual environment (``AWS_*``, ``AZURE_STORAGE_*``). ``checksums``, ``async_staging``, ``snapshot_limit_bytes``,
     ``pinned_ring_limit_bytes``: as :class:`fastdcp.FastFileSystemWriter`; GPU tensors are uploaded
-    part by part from a ring of pinned slots of ``s3_options.part_bytes``
+    part by part from a ring of pinned slots of ``part_bytes``
     (:mod:`fastdcp.objstore.device_upload`), never copied whole to host memory.
 
     ``key_prefixes`` (environment ``FASTDCP_S3_KEY_PREFIXES``; default 1): spread the data
@@ -100,7 +103,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         _extensions: Sequence[Any] | None = None,
         serialization_format: Any = None,
         *,
-        s3_options: S3Options | None = None,
+        store_options: S3Options | AzureOptions | None = None,
         checksums: bool | None = None,
         async_staging: bool | None = None,
         snapshot_limit_bytes: int | None = None,
@@ -127,7 +130,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
             pinned_ring_limit_bytes=pinned_ring_limit_bytes,
             direct_io=False,
         )
-        self._settle(self.location, s3_options)
+        self._settle(self.location, store_options)
         # Accepted for compatibility, asks for nothing: an object is durable once its PUT returns
         # (stock code writing through object streams would otherwise os.sync() the host per file).
         self.sync_files = False
@@ -159,7 +162,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:
             name = METADATA_NAME if getattr(self, "use_collectives", True) else f"__0{METADATA_NAME}"
-            if commit.object_exists(self._store(), self.location, name, self.s3_options):
+            if commit.object_exists(self._store(), self.location, name, self.store_options):
                 raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {self.location.url(name)}")
         if self._rank_local():
             self._save_token = self._claim_token()
@@ -191,7 +194,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
             uploaded, self._uploaded = self._uploaded, []
             if uploaded:
                 try:
-                    delete_objects(self._store(), self.location, uploaded, self.s3_options)
+                    delete_objects(self._store(), self.location, uploaded, self.store_options)
                 except Exception:  # noqa: BLE001 - the save's own error is the one to report
                     pass
             raise
@@ -203,7 +206,7 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         with an equal share of the parts in flight; files holding device tensor bytes upload them
         through one pinned ring (:mod:`.device_upload`)."""
         store = self._store()
-        s3 = self.s3_options
+        s3 = self.store_options
         per_file = max(2, s3.concurrency // max(1, len(files)))
         pool = transfer_pool(max(len(files), 1))
         on_device = [f for f in files if f.device_segments]
@@ -239,4 +242,29 @@ class FastS3Writer(AtObjectLocation, FastFileSystemWriter):
         token = self._save_token or self._claim_token()  # names the chunk index, as the data objects
         self._claimed_tokens = set()
         commit.commit_metadata(self._store(), self.location, name, metadata, new_files,
-                               create_only=not self.overwrite, options=self.s3_options, token=token)
+                               create_only=not self.overwrite, options=self.store_options, token=token)
+
+
+class FastS3Writer(FastObjectWriter):
+    """:class:`FastObjectWriter` for ``s3://bucket/prefix``; ``s3_options``: :class:`S3Options`
+    (unset: the ``AWS_*`` environment)."""
+
+    schemes = ("s3",)
+
+    def __init__(self, path: str, *args: Any, s3_options: S3Options | None = None, **kwargs: Any) -> None:
+        super().__init__(path, *args, store_options=s3_options, **kwargs)
+
+    __init__.__signature__ = options_signature(FastObjectWriter.__init__, "s3_options", S3Options)  # type: ignore[attr-defined]
+
+
+class FastAzureWriter(FastObjectWriter):
+    """:class:`FastObjectWriter` for Azure Blob Storage, ``az://container/prefix`` or
+    ``abfs://container/prefix``; ``azure_options``: :class:`AzureOptions` (unset: the
+    ``AZURE_STORAGE_*`` environment). A create-only commit is a conditional PUT (``If-None-Match``)."""
+
+    schemes = AZURE_SCHEMES
+
+    def __init__(self, path: str, *args: Any, azure_options: AzureOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(path, *args, store_options=azure_options, **kwargs)
+
+    __init__.__signature__ = options_signature(FastObjectWriter.__init__, "azure_options", AzureOptions)  # type: ignore[attr-defined]

@@ -30,7 +30,8 @@ from typing import Callable
 from ..format.metadata import METADATA_NAME
 from ..save.crash_points import crash_point
 from . import local_tier
-from .shared_tier import SharedTier, shared_tier_for
+from . import shared_tier
+from .shared_tier import SharedTier, options_keyword, shared_tier_for
 
 __all__ = ["TieredDrainError", "TieredDrainWarning", "LocalCommit", "drain_rank_files", "commit_when_drained",
            "failure_marker"]
@@ -111,7 +112,7 @@ def _committed_check(tier: SharedTier) -> Callable[[str], bool]:
 
     def committed(location: str) -> bool:
         try:
-            return bool(shared_tier_for(location, options).existing({METADATA_NAME}))
+            return bool(shared_tier_for(location, **options_keyword(options)).existing({METADATA_NAME}))
         except Exception:  # noqa: BLE001 - unknown: keep the local copy
             return False
 
@@ -138,7 +139,7 @@ def _drain(tier: SharedTier, local_directory: str, names: list[str], token: str,
         if images is not None:
             tier.put_images(images)
         else:
-            tier.put_files([(os.path.join(local_directory, name), name) for name in names])
+            shared_tier.put_files(tier, [(os.path.join(local_directory, name), name) for name in names])
     except BaseException as error:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         failure = TieredDrainError(f"cannot copy rank {rank}'s files ({shown}) from '{local_directory}' to "

@@ -22,7 +22,8 @@ import re
 from typing import Any
 
 from ..format.metadata import METADATA_NAME
-from ..objstore.client import S3Options, require_obstore, store_for
+from ..io.backends import is_backend_url
+from ..objstore.client import AzureOptions, S3Options, options_for, require_obstore, store_for
 from ..objstore.location import ObjectLocation, is_object_url
 from . import local_tier
 from .peers import peer_group
@@ -41,12 +42,12 @@ def _order(checkpoint_id: str, committed_at: float) -> tuple[int, float]:
     return (int(m.group(1)) if m else -1, committed_at)
 
 
-def _shared_candidates(parent: str, s3_options: S3Options | None) -> dict[str, float]:
+def _shared_candidates(parent: str, s3_options: S3Options | None, azure_options: AzureOptions | None) -> dict[str, float]:
     """{checkpoint id: commit time} of the checkpoints committed directly under ``parent``."""
     found: dict[str, float] = {}
     if is_object_url(parent):
         location = ObjectLocation.parse(parent)
-        options = s3_options if s3_options is not None else S3Options()
+        options = options_for(location, s3_options, azure_options)
         obstore = require_obstore()
         prefix = location.key("")
         for batch in obstore.list(store_for(location, options), prefix or None):
@@ -126,7 +127,8 @@ def _node_inventories(parent: str, local_root: str) -> dict[str, tuple[Inventory
 
 
 def newest_checkpoint(shared_parent: str | os.PathLike, *, local_root: str | os.PathLike | None = None,
-                      s3_options: S3Options | None = None, process_group: Any = None, from_peers: bool = False,
+                      s3_options: S3Options | None = None, azure_options: AzureOptions | None = None,
+                      process_group: Any = None, from_peers: bool = False,
                       node: str | None = None) -> str | None:
     """The checkpoint id (its shared location) to resume from, or None when there is none; see the
     module docstring. With ``torch.distributed`` initialized it is a collective over
@@ -135,11 +137,11 @@ def newest_checkpoint(shared_parent: str | os.PathLike, *, local_root: str | os.
     :class:`fastdcp.FastTieredReader`'s (``from_peers`` needs the default group)."""
     import torch.distributed as dist
 
-    parent = str(shared_parent) if is_object_url(shared_parent) else os.path.abspath(os.fspath(shared_parent))
+    parent = str(shared_parent) if is_backend_url(shared_parent) else os.path.abspath(os.fspath(shared_parent))
     root = local_tier.local_root_from(local_root)
     distributed = dist.is_available() and dist.is_initialized()
     first = not distributed or dist.get_rank(process_group) == 0
-    shared = _shared_candidates(parent, s3_options) if first else {}
+    shared = _shared_candidates(parent, s3_options, azure_options) if first else {}
     local = {c: t for c, t in _local_candidates(parent, root).items() if _loadable_locally(c, root)}
     nodes = None
     if from_peers and distributed:

@@ -24,9 +24,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ..format.metadata import METADATA_NAME
 from ..load.deadline import DEADLINE_FROM_ENV, END, START, LoadCheckIns, begin_load, resolve_load_deadline, stall_point
 from ..load.reader import FastFileSystemReader
-from ..objstore.client import S3Options
-from ..objstore.location import is_object_url
-from ..objstore.reader import FastS3Reader
+from ..io.backends import backend_for, is_backend_url
+from ..objstore.client import AzureOptions, S3Options
 from . import local_tier
 from .peers import peer_group
 from .recovery import Recovery, fetch_missing, plan_recovery
@@ -37,7 +36,7 @@ __all__ = ["FastTieredReader"]
 class FastTieredReader(StorageReader):
     """``FastTieredReader("s3://bucket/run/step100")`` or ``FastTieredReader("/shared/run/step100")``
     (the checkpoint's shared location, as given to :class:`fastdcp.FastTieredWriter`), with the same
-    ``local_root``. ``s3_options`` for an ``s3://`` shared tier; every other keyword is
+    ``local_root``. ``s3_options`` / ``azure_options`` for an ``s3://`` / ``az://`` shared tier; every other keyword is
     :class:`fastdcp.FastFileSystemReader`'s. Attributes the chosen reader has (``last_stats``,
     ``last_read_mode``) are read through.
 
@@ -50,20 +49,21 @@ class FastTieredReader(StorageReader):
     last load read from the shared tier."""
 
     def __init__(self, path: str | os.PathLike, *, local_root: str | os.PathLike | None = None,
-                 s3_options: S3Options | None = None, from_peers: bool = False, node: str | None = None,
+                 s3_options: S3Options | None = None, azure_options: AzureOptions | None = None, from_peers: bool = False, node: str | None = None,
                  **reader_kwargs: Any) -> None:
         self.local_root = local_tier.local_root_from(local_root)
         self.from_peers = bool(from_peers)
         self.node = node
         self.shared_bytes_read = 0
         self.s3_options = s3_options
+        self.azure_options = azure_options
         self.load_deadline_s = resolve_load_deadline(reader_kwargs.pop("load_deadline_s", DEADLINE_FROM_ENV))
         self._check_ins: LoadCheckIns | None = None
         self._reader_kwargs = {**reader_kwargs, "load_deadline_s": None}  # the tiered reader checks in itself
         self._point_at(path)
 
     def _point_at(self, path: str | os.PathLike) -> None:
-        self.shared_path = str(path) if is_object_url(path) else os.path.abspath(os.fspath(path))
+        self.shared_path = str(path) if is_backend_url(path) else os.path.abspath(os.fspath(path))
         self.local_path = local_tier.local_directory(self.local_root, self.shared_path)
         self.tier: str | None = None  # "local" or "shared", once read_metadata chose
         self._inner: StorageReader | None = None
@@ -78,15 +78,18 @@ class FastTieredReader(StorageReader):
 
     def _shared_reader(self) -> StorageReader:
         if self._shared is None:
-            if is_object_url(self.shared_path):
-                self._shared = FastS3Reader(self.shared_path, s3_options=self.s3_options, **self._reader_kwargs)
+            backend = backend_for(self.shared_path)
+            if backend is not None:
+                options = {k: v for k, v in (("s3_options", self.s3_options), ("azure_options", self.azure_options))
+                           if v is not None}
+                self._shared = backend.load("reader")(self.shared_path, **options, **self._reader_kwargs)
             else:
                 self._shared = FastFileSystemReader(self.shared_path, **self._reader_kwargs)
         return self._shared
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_object_url(checkpoint_id) or FastFileSystemReader.validate_checkpoint_id(checkpoint_id)
+        return is_backend_url(checkpoint_id) or FastFileSystemReader.validate_checkpoint_id(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> str:

@@ -1,6 +1,6 @@
-"""The shared tier of a tiered checkpoint: where the drainer copies committed files, one interface
-over a directory on a shared file system (:class:`DirectoryTier`) and an ``s3://`` prefix
-(:class:`ObjectTier`).
+"""The shared tier of a tiered checkpoint: where the drainer copies committed files, a
+:class:`fastdcp.io.backends.FileStore`: a directory on a shared file system (:class:`DirectoryTier`)
+or the store of a registered backend's URL (``s3://``, ``az://``: its ``file_store``).
 
 Each file arrives whole or not at all: a directory tier writes ``name.<random>.part``, fsyncs it and
 renames it into place; an object becomes visible only when its upload completes. So "the file
@@ -13,41 +13,21 @@ import mmap
 import os
 import secrets
 import time
-from typing import Any, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from .._native import _C
 from ..io.engine import DIRECT_ALIGN, IoOptions, get_engine
 from ..io.write_mode import record_write, write_mode_for
 from ..io.checkpoint_files import fsync_directory
-from ..objstore.client import S3Options, object_error, require_obstore, store_for
-from ..objstore.commit import object_exists, read_object
-from ..objstore.location import ObjectLocation, is_object_url
-from ..objstore.transfer import upload_image
+from ..io.backends import FileStore, backend_for
+from ..objstore.client import AzureOptions, S3Options
 
-__all__ = ["SharedTier", "DirectoryTier", "ObjectTier", "shared_tier_for"]
+__all__ = ["SharedTier", "DirectoryTier", "put_files", "shared_tier_for", "options_keyword"]
 
 
-class SharedTier(Protocol):
-    """What the drainer needs of the shared tier. Every method raises an ``OSError`` naming the
-    file or object on failure."""
-
-    def url(self, name: str | None = None) -> str: ...
-
-    def put_files(self, files: list[tuple[str, str]]) -> None:
-        """Copy each ``(local path, name)``, each visible only once complete and durable."""
-
-    def put_images(self, images: list[tuple[str, int, list[tuple]]]) -> None:
-        """Write each ``(name, size, segments)`` file image (the writer's sorted ``(offset, bytes)`` /
-        ``(offset, address, nbytes)`` segments, zeros in the gaps), each visible only once complete
-        and durable. Precondition: the segments' memory stays unchanged until this returns."""
-
-    def put_bytes(self, name: str, data: bytes) -> None:
-        """Write ``data`` as ``name`` atomically (replacing any previous one)."""
-
-    def existing(self, names: set[str]) -> set[str]:
-        """Which of ``names`` exist (one listing or one request each)."""
-
-    def read_bytes(self, name: str) -> bytes: ...
+# What the drainer needs of the shared tier: the declared interface of a backend's files.
+SharedTier = FileStore
 
 
 def _unlink_quietly(path: str) -> None:
@@ -84,9 +64,6 @@ class DirectoryTier:
             _unlink_quietly(part)
             raise
         fsync_directory(self.path)
-
-    def put_files(self, files: list[tuple[str, str]]) -> None:
-        _put_files_as_images(self, files)
 
     def put_images(self, images: list[tuple[str, int, list[tuple]]]) -> None:
         """Through the native engine, as a save writes: O_DIRECT or buffered as this file system's
@@ -133,8 +110,42 @@ class DirectoryTier:
             raise
         fsync_directory(self.path)
 
-    def put_bytes(self, name: str, data: bytes) -> None:
+    def put_bytes(self, name: str, data: bytes, *, create_only: bool = False) -> None:
+        if create_only and os.path.exists(os.path.join(self.path, name)):
+            raise FileExistsError(f"{os.path.join(self.path, name)} already exists")
         self._atomic_write(name, lambda f: f.write(data))
+
+    def delete(self, names: Iterable[str]) -> list[str]:
+        failed = []
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.path, name))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                failed.append(os.path.join(self.path, name))
+        return failed
+
+    def size(self, name: str) -> int:
+        return os.path.getsize(os.path.join(self.path, name))
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        path = os.path.join(self.path, name)
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), length, offset)
+        if len(data) != length:
+            raise OSError(f"reading {path}: {len(data)} bytes at {offset}, expected {length}")
+        return data
+
+    def list(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        try:
+            names = sorted(os.listdir(self.path))
+        except FileNotFoundError:
+            return
+        for name in names:
+            full = os.path.join(self.path, name)
+            if name.startswith(prefix) and os.path.isfile(full):
+                yield name, os.path.getsize(full)
 
     def existing(self, names: set[str]) -> set[str]:
         try:
@@ -147,44 +158,7 @@ class DirectoryTier:
             return f.read()
 
 
-class ObjectTier:
-    """An ``s3://bucket/prefix`` (through :mod:`fastdcp.objstore`'s client and transfers)."""
-
-    def __init__(self, url: str, options: S3Options | None = None) -> None:
-        self.location = ObjectLocation.parse(url)
-        self.options = options if options is not None else S3Options()
-
-    def _store(self) -> Any:
-        return store_for(self.location, self.options)
-
-    def url(self, name: str | None = None) -> str:
-        return self.location.url(name)
-
-    def put_files(self, files: list[tuple[str, str]]) -> None:
-        _put_files_as_images(self, files)
-
-    def put_images(self, images: list[tuple[str, int, list[tuple]]]) -> None:
-        """One upload per file (multipart, streamed from the image's memory), one after another:
-        each already has ``concurrency`` parts in flight."""
-        for name, size, segments in images:
-            upload_image(self._store(), self.location, name, segments, size, self.options, self.options.concurrency)
-
-    def put_bytes(self, name: str, data: bytes) -> None:
-        obstore = require_obstore()
-        try:
-            obstore.put(self._store(), self.location.key(name), data, use_multipart=False)
-        except Exception as error:  # noqa: BLE001 - translated, naming the object
-            raise object_error(error, self.location.url(name), "writing", self.options) from error
-
-    def existing(self, names: set[str]) -> set[str]:
-        return {name for name in names if object_exists(self._store(), self.location, name, self.options)}
-
-    def read_bytes(self, name: str) -> bytes:
-        return read_object(self._store(), self.location, name, self.options)
-
-
-
-def _put_files_as_images(tier: SharedTier, files: list[tuple[str, str]]) -> None:
+def put_files(tier: SharedTier, files: list[tuple[str, str]]) -> None:
     """``tier.put_images`` of the local files, straight from their pages (mapped read-only, no copy
     in between)."""
     mappings, views, images = [], [], []
@@ -206,9 +180,20 @@ def _put_files_as_images(tier: SharedTier, files: list[tuple[str, str]]) -> None
             mapping.close()
 
 
-def shared_tier_for(checkpoint_id: str | os.PathLike, s3_options: S3Options | None = None) -> SharedTier:
-    """The shared tier at ``checkpoint_id``: an ``s3://`` URL or a directory."""
-    if is_object_url(checkpoint_id):
-        return ObjectTier(str(checkpoint_id), s3_options)
-    return DirectoryTier(checkpoint_id)
+def options_keyword(options: Any) -> dict[str, Any]:
+    """``options`` as the keyword that passes it on (``s3_options`` / ``azure_options``); {} for None."""
+    if isinstance(options, AzureOptions):
+        return {"azure_options": options}
+    return {"s3_options": options} if isinstance(options, S3Options) else {}
+
+
+def shared_tier_for(checkpoint_id: str | os.PathLike, s3_options: S3Options | None = None,
+                    azure_options: AzureOptions | None = None) -> SharedTier:
+    """The shared tier at ``checkpoint_id``: a registered backend's URL (its ``file_store``, given
+    the options that were passed) or a directory."""
+    backend = backend_for(checkpoint_id)
+    if backend is None:
+        return DirectoryTier(checkpoint_id)
+    options = {k: v for k, v in (("s3_options", s3_options), ("azure_options", azure_options)) if v is not None}
+    return backend.load("file_store")(str(checkpoint_id), **options)
 

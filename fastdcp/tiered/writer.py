@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..objstore.client import S3Options
-from ..objstore.location import is_object_url
+from ..io.backends import is_backend_url
+from ..objstore.client import AzureOptions, S3Options
 from ..save.file_image import FilePlan
 from ..save.writer import FastFileSystemWriter
 from . import local_tier
@@ -51,7 +51,8 @@ class FastTieredWriter(FastFileSystemWriter):
     directory under it. ``keep_local``: local checkpoints kept once durable in the shared tier
     (default 2; a checkpoint not yet durable is never evicted). ``drain_timeout_s``: how long the
     coordinator waits for every rank's files to reach the shared tier before failing the drain.
-    ``s3_options``: for an ``s3://`` shared tier (default: the ``AWS_*`` environment). Every
+    ``s3_options`` / ``azure_options``: for an ``s3://`` / ``az://`` shared tier (default: the
+    ``AWS_*`` / ``AZURE_STORAGE_*`` environment). Every
     other argument is :class:`fastdcp.FastFileSystemWriter`'s, for the local commit.
 
     ``replicas``: peer nodes that keep a copy of each rank's local files (default 0; needs
@@ -60,7 +61,7 @@ class FastTieredWriter(FastFileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, *args: Any, local_root: str | os.PathLike | None = None,
                  keep_local: int = 2, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-                 s3_options: S3Options | None = None, replicas: int = 0, node: str | None = None,
+                 s3_options: S3Options | None = None, azure_options: AzureOptions | None = None, replicas: int = 0, node: str | None = None,
                  **kwargs: Any) -> None:
         if not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 0:
             raise ValueError(f"keep_local must be an int >= 0, got {keep_local!r}")
@@ -72,6 +73,7 @@ class FastTieredWriter(FastFileSystemWriter):
         self.keep_local = keep_local
         self.drain_timeout_s = float(drain_timeout_s)
         self.s3_options = s3_options
+        self.azure_options = azure_options
         self.shared_path = self._shared_id(path)
         super().__init__(local_tier.local_directory(self.local_root, self.shared_path), *args, **kwargs)
         self.durable: Future | None = None
@@ -108,11 +110,11 @@ class FastTieredWriter(FastFileSystemWriter):
 
     @staticmethod
     def _shared_id(path: str | os.PathLike) -> str:
-        return str(path) if is_object_url(path) else os.path.abspath(os.fspath(path))
+        return str(path) if is_backend_url(path) else os.path.abspath(os.fspath(path))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_object_url(checkpoint_id) or FastFileSystemWriter.validate_checkpoint_id(checkpoint_id)
+        return is_backend_url(checkpoint_id) or FastFileSystemWriter.validate_checkpoint_id(checkpoint_id)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -135,7 +137,7 @@ class FastTieredWriter(FastFileSystemWriter):
 
     @property
     def shared_tier(self) -> SharedTier:
-        return shared_tier_for(self.shared_path, self.s3_options)
+        return shared_tier_for(self.shared_path, self.s3_options, self.azure_options)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:

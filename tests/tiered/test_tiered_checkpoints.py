@@ -243,10 +243,10 @@ def _two_rank_main(rank: int, store: str, shared: str, local_root: str, fail_ran
     from fastdcp.tiered import shared_tier
 
     if rank == fail_rank:
-        def refuse(self, files):
-            raise OSError(errno.EDQUOT, f"Disk quota exceeded: '{os.path.join(self.path, files[0][1])}'")
+        def refuse(tier, files):
+            raise OSError(errno.EDQUOT, f"Disk quota exceeded: '{os.path.join(tier.path, files[0][1])}'")
 
-        shared_tier.DirectoryTier.put_files = refuse
+        shared_tier.put_files = refuse
     with C.gloo_rank_mesh(rank, store, 2) as mesh:
         full = _state(20, 2.0)
         state = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), "b": full["b"], "step": 20}
@@ -389,10 +389,10 @@ def test_staged_saves_write_the_shared_tier_from_the_slab_and_keep_it_until_done
     before that write is done: four saves in a row, each drain held back, every shared copy exact."""
     from fastdcp.tiered import shared_tier
 
-    def no_read_back(self, files):
+    def no_read_back(tier, files):
         raise AssertionError("a staged save read its local files back")
 
-    monkeypatch.setattr(shared_tier.DirectoryTier, "put_files", no_read_back)
+    monkeypatch.setattr(shared_tier, "put_files", no_read_back)
     monkeypatch.setenv("FASTDCP_TEST_PAUSE_AT", "drain")
     monkeypatch.setenv("FASTDCP_TEST_PAUSE_S", "0.4")  # each drain starts late: the next save stages meanwhile
     writer = FastTieredWriter(tmp_path / "0", local_root=local_root, keep_local=4, async_staging=True)
@@ -420,7 +420,7 @@ def test_a_sync_save_drains_from_the_local_copy(tmp_path, local_root, monkeypatc
         raise AssertionError("a sync save wrote the shared tier from live memory")
 
     monkeypatch.setattr(shared_tier.DirectoryTier, "put_images", no_live_images)
-    monkeypatch.setattr(shared_tier.DirectoryTier, "put_files", _put_files_via_copy)
+    monkeypatch.setattr(shared_tier, "put_files", _put_files_via_copy)
     state = _state(61)
     writer = FastTieredWriter(tmp_path / "s", local_root=local_root)
     dcp.save(state, storage_writer=writer, no_dist=True)
@@ -428,8 +428,8 @@ def test_a_sync_save_drains_from_the_local_copy(tmp_path, local_root, monkeypatc
     C.assert_same(_stock_load(tmp_path / "s", state), state)
 
 
-def _put_files_via_copy(self, files):
-    """DirectoryTier.put_files without put_images (which the test above refuses)."""
-    os.makedirs(self.path, exist_ok=True)
+def _put_files_via_copy(tier, files):
+    """shared_tier.put_files without put_images (which the test above refuses)."""
+    os.makedirs(tier.path, exist_ok=True)
     for local, name in files:
-        shutil.copyfile(local, os.path.join(self.path, name))
+        shutil.copyfile(local, os.path.join(tier.path, name))

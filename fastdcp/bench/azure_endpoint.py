@@ -1,0 +1,156 @@
+"""A local Azure Blob Storage server for the benchmark and the tests: Azurite (Microsoft's Azure
+Storage emulator, ``npm install -g azurite``), its blob service bound to 127.0.0.1 on a free port,
+telemetry off, data in a working directory; stopped with the endpoint.
+
+Clients reach it through the counting proxy of the S3 server (:mod:`fastdcp.bench.s3_proxy`, which
+names Azure's operations as S3's: Put Block is ``PUT_PART``, List Blobs ``LIST``) and the usual
+environment, a connection string with Azurite's well-known development account
+(:meth:`AzureEndpoint.env`), which fastdcp, adlfs (stock's fsspec path) and the Azure SDK read."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+from .s3_endpoint import _free_port, _wait_listening
+
+__all__ = ["AzureEndpoint", "AzureEndpointUnavailable", "ACCOUNT", "azurite_binary"]
+
+# Azurite's development account: a published name and key, valid against the emulator only.
+ACCOUNT = "devstoreaccount1"
+_ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+class AzureEndpointUnavailable(RuntimeError):
+    """Azurite is not installed or did not start."""
+
+
+def azurite_binary() -> str | None:
+    """The path of Azurite's blob service (``azurite-blob``), or None."""
+    return shutil.which("azurite-blob")
+
+
+class AzureEndpoint:
+    """An Azurite blob service on 127.0.0.1. ``endpoint``: its blob endpoint URL."""
+
+    def __init__(self, workdir: str | os.PathLike | None = None, delay_ms: float = 0.0) -> None:
+        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="fastdcp_azure_"))
+        self.delay_ms = float(delay_ms)  # the proxy's one-way delay
+        self.server: subprocess.Popen | None = None
+        self.proxy: subprocess.Popen | None = None
+        self.port = 0
+        self.proxy_port = 0
+
+    def start(self) -> "AzureEndpoint":
+        binary = azurite_binary()
+        if binary is None:
+            raise AzureEndpointUnavailable("Azurite is not installed: npm install -g azurite")
+        data = self.workdir / "azurite"
+        data.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "azurite.log"
+        self.port = _free_port()
+        command = [binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", str(data),
+                   "--disableTelemetry",  # by default it reports usage to a public address
+                   "--skipApiVersionCheck", "--loose", "--silent"]
+        self.server = subprocess.Popen(command, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, cwd=data, start_new_session=True)
+        try:
+            _wait_listening(self.port, self.server, log, "Azurite's blob service", timeout=120)
+            self.proxy_port = _free_port()
+            proxy_log = self.workdir / "proxy.log"
+            self.proxy = subprocess.Popen(
+                [sys.executable, "-m", "fastdcp.bench.s3_proxy", "--listen", f"127.0.0.1:{self.proxy_port}",
+                 "--upstream", f"127.0.0.1:{self.port}", "--delay-ms", str(self.delay_ms)],
+                stdout=open(proxy_log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            _wait_listening(self.proxy_port, self.proxy, proxy_log, "the proxy")
+        except Exception as error:
+            self.stop()
+            raise AzureEndpointUnavailable(str(error)) from error
+        return self
+
+    def stop(self) -> None:
+        for process in (self.proxy, self.server):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.proxy = self.server = None
+
+    def __enter__(self) -> "AzureEndpoint":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def endpoint(self) -> str:
+        """The blob endpoint clients use (through the proxy)."""
+        return f"http://127.0.0.1:{self.proxy_port}/{ACCOUNT}"
+
+    @property
+    def server_endpoint(self) -> str:
+        """Azurite's own blob endpoint (not counted)."""
+        return f"http://127.0.0.1:{self.port}/{ACCOUNT}"
+
+    def _connection(self, endpoint: str) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={_ACCOUNT_KEY};"
+                f"BlobEndpoint={endpoint};")
+
+    @property
+    def connection_string(self) -> str:
+        return self._connection(self.endpoint)
+
+    def _control(self, path: str, method: str = "GET") -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.proxy_port}/__proxy/{path}", method=method,
+                                         data=b"" if method == "POST" else None)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"{}")
+
+    def stats(self) -> dict[str, int]:
+        """Requests per operation (S3's names) through the proxy since the last :meth:`reset`."""
+        return dict(self._control("stats")["counts"])
+
+    def reset(self) -> None:
+        self._control("reset", "POST")
+
+    def env(self) -> dict[str, str]:
+        """The environment a client of this server uses."""
+        return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string}
+
+    @contextlib.contextmanager
+    def exported(self) -> Iterator["AzureEndpoint"]:
+        """:meth:`env` in ``os.environ`` while the block runs, the previous values restored after."""
+        saved = {name: os.environ.get(name) for name in self.env()}
+        os.environ.update(self.env())
+        try:
+            yield self
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    def service(self):
+        """An Azure SDK client of the server (to create containers, or look at blobs as another
+        program would)."""
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(self._connection(self.server_endpoint))
+
+    def create_container(self, name: str) -> None:
+        self.service().create_container(name)
+
+    def blob_names(self, container: str, prefix: str = "") -> set[str]:
+        return {b.name for b in self.service().get_container_client(container).list_blobs(name_starts_with=prefix)}
