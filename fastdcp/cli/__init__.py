@@ -7,14 +7,15 @@
                                              not a checkpoint
     python -m fastdcp gc URL [--delete] [--min-age-s 3600]
                                              the objects interrupted saves left under an s3://
-                                             checkpoint; a dry run unless --delete
+                                             or az:// checkpoint; a dry run unless --delete
     python -m fastdcp convert SRC DST [--dtype bf16] [--keys REGEX] [--max-shard-size 5GB]
                                       [--memory-budget 1GiB]
                                              to .safetensors (sharded past --max-shard-size, with
                                              an index JSON) or .pt, streamed within the budget
 
-DIR and SRC are local directories or ``s3://bucket/prefix`` URLs (the ``AWS_*`` environment, as
-for :class:`fastdcp.FastS3Reader`). Works on checkpoints written by stock DCP and by fastdcp.
+DIR and SRC are local directories or ``s3://bucket/prefix`` / ``az://container/prefix`` URLs (the
+``AWS_*`` / ``AZURE_STORAGE_*`` environment, as for :class:`fastdcp.FastS3Reader` and
+:class:`fastdcp.FastAzureReader`). Works on checkpoints written by stock DCP and by fastdcp.
 Nothing in the checkpoint is trusted: ``.metadata`` goes through the restricted loader (:mod:`fastdcp.format.metadata`; ``--allow-unsafe-metadata``
 opts out for a trusted checkpoint with custom classes), data files are opened only inside the
 directory, and tensor blobs are parsed by :func:`fastdcp.format.blob_parse.parse_tensor_blob` (headers only,
@@ -76,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         ("verify", "check structure (metadata, files, byte ranges, blob headers); exit 0 OK, 1 damaged, 2 not a checkpoint"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("directory", metavar="DIR", help="checkpoint directory, or s3://bucket/prefix")
+        p.add_argument("directory", metavar="DIR", help="checkpoint directory, or s3://bucket/prefix or az://container/prefix")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument(
             "--allow-unsafe-metadata",
@@ -88,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Write a DCP checkpoint as .safetensors (tensors only, streamed; sharded past "
         "--max-shard-size with a model.safetensors.index.json) or .pt (a torch.save state dict).",
     )
-    convert.add_argument("directory", metavar="SRC", help="checkpoint directory, or s3://bucket/prefix")
+    convert.add_argument("directory", metavar="SRC", help="checkpoint directory, or s3://bucket/prefix or az://container/prefix")
     convert.add_argument("destination", metavar="DST", help="output file: *.safetensors, *.pt or *.pth")
     convert.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="cast floating-point tensors to this dtype")
     convert.add_argument("--keys", metavar="REGEX", help="keep only the (flattened) keys this matches (re.search)")
@@ -102,12 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--allow-unsafe-metadata", action="store_true",
                          help="unpickle .metadata with plain pickle (runs any code it names: trusted checkpoints only)")
     gc = sub.add_parser(
-        "gc", help="list (--delete: remove) the objects interrupted saves left under an s3:// checkpoint",
+        "gc", help="list (--delete: remove) the objects interrupted saves left under an s3:// or az:// checkpoint",
         description="List the data objects under an object storage checkpoint that its .metadata does not name "
         "(left by saves cut off before they could clean up), older than --min-age-s; --delete removes them. "
         "A dry run by default; the checkpoint and every object DCP would not have written are kept.",
     )
-    gc.add_argument("directory", metavar="URL", help="s3://bucket/prefix")
+    gc.add_argument("directory", metavar="URL", help="s3://bucket/prefix or az://container/prefix")
     gc.add_argument("--delete", action="store_true", help="delete the objects left over (default: only list them)")
     gc.add_argument("--min-age-s", type=float, default=3600.0,
                     help="an unnamed object younger than this may belong to a save still running: kept (default 3600)")

@@ -137,6 +137,7 @@ class FastS3Reader(FastObjectReader):
 
     schemes = ("s3",)
 
+    @renamed_arguments(READER_RENAMES)
     def __init__(self, path: str, *args: Any, s3_options: S3Options | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, store_options=s3_options, **kwargs)
 
@@ -149,6 +150,7 @@ class FastAzureReader(FastObjectReader):
 
     schemes = AZURE_SCHEMES
 
+    @renamed_arguments(READER_RENAMES)
     def __init__(self, path: str, *args: Any, azure_options: AzureOptions | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, store_options=azure_options, **kwargs)
 

@@ -251,6 +251,7 @@ class FastS3Writer(FastObjectWriter):
 
     schemes = ("s3",)
 
+    @renamed_arguments(S3_WRITER_RENAMES)
     def __init__(self, path: str, *args: Any, s3_options: S3Options | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, store_options=s3_options, **kwargs)
 
@@ -264,6 +265,7 @@ class FastAzureWriter(FastObjectWriter):
 
     schemes = AZURE_SCHEMES
 
+    @renamed_arguments(S3_WRITER_RENAMES)
     def __init__(self, path: str, *args: Any, azure_options: AzureOptions | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, store_options=azure_options, **kwargs)
 

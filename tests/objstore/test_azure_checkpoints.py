@@ -169,3 +169,22 @@ def test_a_wrong_account_key_is_an_access_error_saying_what_to_set(container, az
 def test_options_of_the_other_store_are_refused_naming_the_url(container):
     with pytest.raises(ValueError, match="s3_options was given for az://"):
         fastdcp.open(f"az://{container}/x", s3_options=fastdcp.S3Options())
+
+
+def test_gc_lists_and_removes_a_data_blob_no_metadata_names(container, azure_env, capsys):
+    url = f"az://{container}/gc"
+    sd = {"w": torch.randn(256, 4)}
+    dcp.save(sd, storage_writer=FastAzureWriter(url), no_dist=True)
+    committed = azure_env.blob_names(container, "gc/")
+    stray = "gc/__0_0123456789abcdef_0.distcp"  # what a save cut before its commit leaves
+    azure_env.service().get_blob_client(container, stray).upload_blob(b"x" * 1000)
+    assert cli_main(["gc", url, "--min-age-s", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["committed"] and [o["name"] for o in report["leftover"]] == [stray.removeprefix("gc/")], report
+    assert azure_env.blob_names(container, "gc/") == committed | {stray}  # a dry run deletes nothing
+    assert cli_main(["gc", url, "--min-age-s", "0", "--delete", "--json"]) == 0
+    capsys.readouterr()
+    assert azure_env.blob_names(container, "gc/") == committed
+    loaded = {"w": torch.zeros(256, 4)}
+    dcp.load(loaded, storage_reader=FastAzureReader(url), no_dist=True)
+    assert torch.equal(loaded["w"], sd["w"])
