@@ -50,6 +50,7 @@ class DeferredCopier:
 def cpu_as_device(monkeypatch):
     """Route every CPU tensor of a fastdcp save (local or object storage) through the pinned ring,
     with a :class:`DeferredCopier` per ring; the copiers made, for the test to inspect."""
+    import fastdcp.save.file_sink as sink_module
     import fastdcp.save.writer as writer_module
 
     copiers: list[DeferredCopier] = []
@@ -59,5 +60,5 @@ def cpu_as_device(monkeypatch):
         return copiers[-1]
 
     monkeypatch.setattr(writer_module, "_stays_on_device", lambda t: True)
-    monkeypatch.setattr(writer_module, "_make_copier", make)
+    monkeypatch.setattr(sink_module, "make_copier", make)
     return copiers

@@ -29,7 +29,7 @@ from ..compat.renamed import S3_WRITER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME
 from ..io.gc import gc_paused
 from ..save.file_image import FilePlan
-from ..save import writer as disk_writer
+from ..save import file_sink
 from ..save.writer import FastFileSystemWriter
 from . import commit
 from .azure import AZURE_SCHEMES
@@ -131,6 +131,7 @@ class FastObjectWriter(AtObjectLocation, FastFileSystemWriter):
             direct_io=False,
         )
         self._settle(self.location, store_options)
+        self.sink = ObjectFileSink(self)
         # Accepted for compatibility, asks for nothing: an object is durable once its PUT returns
         # (stock code writing through object streams would otherwise os.sync() the host per file).
         self.sync_files = False
@@ -145,37 +146,17 @@ class FastObjectWriter(AtObjectLocation, FastFileSystemWriter):
 
     # --- planning ---------------------------------------------------------------------------- #
 
-    def _claim_token(self) -> str:
-        # Object names are made unique by a random token (64 bits): no marker object, no LIST.
-        token = secrets.token_hex(8)
-        self._claimed_tokens.add(token)
-        return token
-
-    def _storage_prefix(self, rank: int) -> str:
-        # With key_prefixes, rank r's objects go under sub-prefix r % key_prefixes (hex).
-        name = super()._storage_prefix(rank)
-        if self.key_prefixes <= 1:
-            return name
-        width = len(format(self.key_prefixes - 1, "x"))
-        return f"{rank % self.key_prefixes:0{width}x}/{name}"
-
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:
             name = METADATA_NAME if getattr(self, "use_collectives", True) else f"__0{METADATA_NAME}"
             if commit.object_exists(self._store(), self.location, name, self.store_options):
                 raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {self.location.url(name)}")
         if self._rank_local():
-            self._save_token = self._claim_token()
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._storage_prefix(self.rank)))
+            self._save_token = self.sink.claim_token()
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self.sink.storage_prefix(self.rank, self._save_token)))
         return plan
 
     # --- writing ----------------------------------------------------------------------------- #
-
-    def _write_threads(self) -> int:
-        return self.io_options.io_threads
-
-    def _data_file_path(self, storage_key: str) -> str:
-        return storage_key  # the object's name under the checkpoint's prefix
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._uploaded = []
@@ -201,35 +182,6 @@ class FastObjectWriter(AtObjectLocation, FastFileSystemWriter):
         finally:
             self._release_staging(planner)
 
-    def _write_files(self, files: list[FilePlan], options: Any) -> None:
-        """Upload every file image concurrently: files share the process's request threads, each
-        with an equal share of the parts in flight; files holding device tensor bytes upload them
-        through one pinned ring (:mod:`.device_upload`)."""
-        store = self._store()
-        s3 = self.store_options
-        per_file = max(2, s3.concurrency // max(1, len(files)))
-        pool = transfer_pool(max(len(files), 1))
-        on_device = [f for f in files if f.device_segments]
-        ring = None
-        if on_device:
-            slots = ring_slots(self.pinned_ring_limit_bytes, s3.part_bytes, len(on_device), per_file)
-            ring = UploadRing(s3.part_bytes, slots, disk_writer._make_copier())
-        try:
-            futures = []
-            for f in files:
-                self._uploaded.append(f.path)
-                if f.device_segments:
-                    futures.append(pool.submit(upload_device_image, store, self.location, f.path, f.segments,
-                                               f.device_segments, f.size, ring, s3, per_file))
-                else:
-                    futures.append(pool.submit(upload_image, store, self.location, f.path, f.segments, f.size, s3,
-                                               per_file))
-            wait_all(futures)
-        finally:
-            if ring is not None:
-                ring.close()
-                self.last_ring_parts = ring.parts
-
     # --- commit ------------------------------------------------------------------------------ #
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -239,10 +191,76 @@ class FastObjectWriter(AtObjectLocation, FastFileSystemWriter):
         new_files = self._complete_metadata(metadata, results)
         rank_local = self._rank_local()
         name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
-        token = self._save_token or self._claim_token()  # names the chunk index, as the data objects
+        token = self._save_token or self.sink.claim_token()  # names the chunk index, as the data objects
         self._claimed_tokens = set()
         commit.commit_metadata(self._store(), self.location, name, metadata, new_files,
                                create_only=not self.overwrite, options=self.store_options, token=token)
+
+
+class ObjectFileSink:
+    """A save's data files as objects (:class:`fastdcp.save.file_sink.FileSink`): random save
+    tokens (no marker object, no LIST), names under the checkpoint's prefix (spread over
+    ``key_prefixes`` sub-prefixes), every image uploaded concurrently.
+
+    Args:
+        writer: the object writer whose location, options and upload list it uses.
+    """
+
+    def __init__(self, writer: "FastObjectWriter") -> None:
+        self.writer = writer
+
+    def claim_token(self) -> str:
+        # Object names are made unique by a random token (64 bits): no marker object, no LIST.
+        token = secrets.token_hex(8)
+        self.writer._claimed_tokens.add(token)
+        return token
+
+    def storage_prefix(self, rank: int, token: str) -> str:
+        # With key_prefixes, rank r's objects go under sub-prefix r % key_prefixes (hex).
+        name = f"__{rank}_{token}_"
+        prefixes = self.writer.key_prefixes
+        if prefixes <= 1:
+            return name
+        width = len(format(prefixes - 1, "x"))
+        return f"{rank % prefixes:0{width}x}/{name}"
+
+    def data_file_path(self, storage_key: str) -> str:
+        return storage_key  # the object's name under the checkpoint's prefix
+
+    def write_threads(self) -> int:
+        return self.writer.io_options.io_threads
+
+    def files_written_here(self, new_files: set[str]) -> set[str]:
+        return set(new_files)
+
+    def write_files(self, files: list[FilePlan], options: Any) -> None:
+        """Upload every file image concurrently: files share the process's request threads, each
+        with an equal share of the parts in flight; files holding device tensor bytes upload them
+        through one pinned ring (:mod:`.device_upload`)."""
+        store = self.writer._store()
+        s3 = self.writer.store_options
+        per_file = max(2, s3.concurrency // max(1, len(files)))
+        pool = transfer_pool(max(len(files), 1))
+        on_device = [f for f in files if f.device_segments]
+        ring = None
+        if on_device:
+            slots = ring_slots(self.writer.pinned_ring_limit_bytes, s3.part_bytes, len(on_device), per_file)
+            ring = UploadRing(s3.part_bytes, slots, file_sink.make_copier())
+        try:
+            futures = []
+            for f in files:
+                self.writer._uploaded.append(f.path)
+                if f.device_segments:
+                    futures.append(pool.submit(upload_device_image, store, self.writer.location, f.path, f.segments,
+                                               f.device_segments, f.size, ring, s3, per_file))
+                else:
+                    futures.append(pool.submit(upload_image, store, self.writer.location, f.path, f.segments, f.size, s3,
+                                               per_file))
+            wait_all(futures)
+        finally:
+            if ring is not None:
+                ring.close()
+                self.writer.last_ring_parts = ring.parts
 
 
 class FastS3Writer(FastObjectWriter):

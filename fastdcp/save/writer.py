@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .._native import _C
 from ..compat.renamed import WRITER_RENAMES, renamed_arguments
 from ..compat.stock_stager import mend_default_stager
 from ..format.blob import ZIP_ALIGN, is_plain_dense
@@ -48,17 +47,16 @@ from ..format.table_metadata import TableMetadata, TableStorageData
 from ..io.committed_metadata import CommittedIndex
 from ..io.engine import DIRECT_ALIGN, IoOptions, cpu_share, default_copy_threads, env_bytes, env_flag, get_engine
 from ..io.gc import gc_paused
-from ..io.phases import span, timed
-from ..io.write_mode import WriteMode, record_write, write_mode_for
+from ..io.phases import timed
+from ..io.write_mode import WriteMode
 from .async_staging import StagingFuture, StagingReport
 from . import inflight
-from .commit import (CommittedMetadata, claim_token, commit_metadata, remove_partial_files, remove_unreferenced,
+from .commit import (CommittedMetadata, commit_metadata, remove_partial_files, remove_unreferenced,
                      unused_prefix)
 from .crash_points import crash_point
-from ..io.copy_engine import DeviceCopier, is_device_tensor
-from ..io.pinned_pool import lease_pinned
-from .device_ring import DeviceRing, cut_ranges, write_device_images
+from ..io.copy_engine import is_device_tensor
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
+from .file_sink import DEFAULT_RING_BYTES, RING_SLOTS, FileSink, LocalFileSink
 from .file_split import split_into_files
 from .guard import guarded_storage_keys
 from .results import pack_write_results, result_columns, storage_columns
@@ -71,12 +69,6 @@ except ImportError:  # pragma: no cover - older torch
 
 __all__ = ["FastFileSystemWriter"]
 
-_DEFAULT_RING_BYTES = 256 << 20
-_RING_SLOTS = 4  # the fewest slots of a ring
-_MIN_SLOT_BYTES = 4 << 20  # a ring batches fewer files rather than use smaller slots
-# Engine calls of the ring in flight at once: the engine's threads go on to the next batch's tasks
-# while the last tasks of a batch finish, so the storage queue does not drain at batch boundaries.
-_WRITES_IN_FLIGHT = 2
 _STOCK_INIT_PARAMS = frozenset(inspect.signature(FileSystemWriter.__init__).parameters)
 
 
@@ -85,23 +77,6 @@ def _stays_on_device(tensor: torch.Tensor) -> bool:
     rather than from host memory: device tensors (``fastdcp.io.copy_engine.is_device_tensor``).
     Tests replace this to drive the ring with any CPU tensors."""
     return is_device_tensor(tensor)
-
-
-def _make_copier() -> Any:
-    """The device-to-host copier of the ring pipeline (tests replace it with a CPU one)."""
-    return DeviceCopier()
-
-
-def ring_shape(budget: int, files: int, threads: int) -> tuple[int, int, int, int]:
-    """``(slot_bytes, slots, batch, writes_in_flight)`` of the ring for a save of ``files`` files
-    with device bytes written by ``threads`` engine threads within ``budget`` bytes: batches of up
-    to ``threads`` files (fewer when slots would fall under 4 MiB), :data:`_WRITES_IN_FLIGHT`
-    batches being written while the next one is copied, at least :data:`_RING_SLOTS` slots."""
-    sets = _WRITES_IN_FLIGHT + 1
-    batch = max(1, min(files, threads, budget // (sets * _MIN_SLOT_BYTES)))
-    slots = max(_RING_SLOTS, sets * batch)
-    slot_bytes = max(DIRECT_ALIGN, budget // slots // DIRECT_ALIGN * DIRECT_ALIGN)
-    return slot_bytes, slots, batch, _WRITES_IN_FLIGHT
 
 
 class FastFileSystemWriter(FileSystemWriter):
@@ -204,10 +179,10 @@ class FastFileSystemWriter(FileSystemWriter):
         # Tokens this writer object claimed for the save in progress (their in-flight markers,
         # fastdcp.save.inflight): released by the commit, or here when this rank's write fails.
         self._claimed_tokens: set[str] = set()
-        ring_limit = pinned_ring_limit_bytes if pinned_ring_limit_bytes is not None else _DEFAULT_RING_BYTES
-        if not isinstance(ring_limit, int) or isinstance(ring_limit, bool) or ring_limit < _RING_SLOTS * DIRECT_ALIGN:
+        ring_limit = pinned_ring_limit_bytes if pinned_ring_limit_bytes is not None else DEFAULT_RING_BYTES
+        if not isinstance(ring_limit, int) or isinstance(ring_limit, bool) or ring_limit < RING_SLOTS * DIRECT_ALIGN:
             raise ValueError(
-                f"pinned_ring_limit_bytes must be an int of at least {_RING_SLOTS * DIRECT_ALIGN}, "
+                f"pinned_ring_limit_bytes must be an int of at least {RING_SLOTS * DIRECT_ALIGN}, "
                 f"got {pinned_ring_limit_bytes!r}"
             )
         self.pinned_ring_limit_bytes = ring_limit
@@ -234,6 +209,10 @@ class FastFileSystemWriter(FileSystemWriter):
         self.snapshot_limit_bytes = snapshot_limit_bytes
         self._written_prefix: str | None = None  # the data-file prefix this rank's last write_data used
         self._last_commit: CommittedMetadata | None = None  # what the last finish() committed
+        # Where the data files go (fastdcp.save.file_sink); a storage that stores them elsewhere
+        # sets its own. _sink_busy: (future, file plans) while it still reads a save's images.
+        self.sink: FileSink = LocalFileSink(self)
+        self._sink_busy: tuple[Any, list[FilePlan]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Process-mode async_save pickles the writer into the background process: its staging
@@ -242,6 +221,7 @@ class FastFileSystemWriter(FileSystemWriter):
         state = self.__dict__.copy()
         state["_stager"] = None
         state["_staged_on_thread"] = None
+        state["_sink_busy"] = None
         return state
 
     # ----------------------------------------------------------------------------------------- #
@@ -294,7 +274,21 @@ class FastFileSystemWriter(FileSystemWriter):
 
     def _release_staging(self, planner: SavePlanner | None = None) -> None:
         """This writer's save is done reading its staged state dict: release the slab holding the
-        planner's state dict (without a planner: this writer's only slab in use)."""
+        planner's state dict (without a planner: this writer's only slab in use); once the sink's
+        future is done where the sink still reads the file images."""
+        busy, self._sink_busy = self._sink_busy, None
+        if busy is not None and not busy[0].done():
+            future, files = busy
+
+            def when_done(_: Any) -> None:
+                self._release_slab(planner)
+                files.clear()
+
+            future.add_done_callback(when_done)
+            return
+        self._release_slab(planner)
+
+    def _release_slab(self, planner: SavePlanner | None) -> None:
         if self._stager is not None:
             self._stager.release(getattr(planner, "state_dict", None) if planner is not None else None)
 
@@ -333,23 +327,13 @@ class FastFileSystemWriter(FileSystemWriter):
         """``dcp.save(use_collectives=False)``: every rank commits its own ``__{rank}.metadata``."""
         return not getattr(self, "use_collectives", True) and getattr(self, "rank", None) is not None
 
-    def _claim_token(self) -> str:
-        """A save-unique token for this directory, with its in-flight marker."""
-        token = claim_token(str(self.path))
-        self._claimed_tokens.add(token)
-        return token
-
-    def _storage_prefix(self, rank: int) -> str:
-        """What the names of rank ``rank``'s data files in this save start with."""
-        return f"__{rank}_{self._save_token}_"
-
     @timed("plan")
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)  # mkdir, overwrite check, stock's rank-local prefix
         if self._rank_local() and isinstance(plan.storage_data, _StoragePrefix):
             if plan.storage_data.prefix == f"__{self.rank}_":
-                self._save_token = self._claim_token()
-                plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._storage_prefix(self.rank)))
+                self._save_token = self.sink.claim_token()
+                plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self.sink.storage_prefix(self.rank, self._save_token)))
                 crash_point("plan")
         return plan
 
@@ -357,9 +341,9 @@ class FastFileSystemWriter(FileSystemWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if all(plan.storage_data is not None for plan in plans):
             return super().prepare_global_plan(plans)  # rank-local prefixes were chosen already
-        self._save_token = self._claim_token()
+        self._save_token = self.sink.claim_token()
         new_plans = [
-            dataclasses.replace(plan, storage_data=_StoragePrefix(self._storage_prefix(i)))
+            dataclasses.replace(plan, storage_data=_StoragePrefix(self.sink.storage_prefix(i, self._save_token)))
             if plan.storage_data is None
             else plan
             for i, plan in enumerate(plans)
@@ -411,7 +395,7 @@ class FastFileSystemWriter(FileSystemWriter):
             self._release_staging(planner)
 
     def _write_data_fast(self, storage_plan: _StoragePrefix, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        write_options = dataclasses.replace(self.io_options, io_threads=self._write_threads())
+        write_options = dataclasses.replace(self.io_options, io_threads=self.sink.write_threads())
         buckets = split_into_files(
             list(plan.items), self.single_file_per_rank, self.files_per_rank, write_options.io_threads
         )
@@ -419,7 +403,7 @@ class FastFileSystemWriter(FileSystemWriter):
         files: list[FilePlan] = []
         for i, bucket in enumerate(buckets):
             storage_key = f"{storage_plan.prefix}{i}{DEFAULT_SUFFIX}"
-            file_plan = FilePlan(path=self._data_file_path(storage_key))
+            file_plan = FilePlan(path=self.sink.data_file_path(storage_key))
             # Stock order: byte items first, then tensors.
             for item in bucket:
                 if item.type == WriteItemType.BYTE_IO:
@@ -434,18 +418,11 @@ class FastFileSystemWriter(FileSystemWriter):
 
         if self.checksums:
             record_checksums(get_engine(self.io_options), files)
-        self._write_files(files, write_options)
+        busy = self.sink.write_files(files, write_options)
+        self._sink_busy = (busy, files) if busy is not None else None
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(pack_write_results(plan, [r for f in files for r in f.results]))
         return fut
-
-    def _write_threads(self) -> int:
-        """Engine threads for this save's writes (and so, with the automatic split, its files)."""
-        return self.io_options.write_threads_for(str(self.path))
-
-    def _data_file_path(self, storage_key: str) -> str:
-        """Where the data file ``storage_key`` is written."""
-        return str(self.fs.concat_path(self.path, storage_key))
 
     def _append_tensor_item(self, file_plan: FilePlan, item: WriteItem, storage_key: str, planner: SavePlanner) -> None:
         data = planner.resolve_data(item)
@@ -470,69 +447,6 @@ class FastFileSystemWriter(FileSystemWriter):
             file_plan.size = offset
             file_plan.append_bytes(item, storage_key, buffer.getvalue())
 
-    def _write_files(self, files: list[FilePlan], options: IoOptions) -> None:
-        engine = get_engine(options)
-        handles: list[_C.File] = []
-        total_bytes = sum(f.size for f in files)
-        mode = self.last_write_mode = write_mode_for(str(self.path), options, total_bytes)
-        direct = mode.direct
-        try:
-            t_open = time.perf_counter()
-            jobs = []
-            with span("open"):
-                for f in files:
-                    handle = _C.File(f.path, "w", direct)
-                    handles.append(handle)
-                    if handle.direct:
-                        # Allocate up to the padded end so no O_DIRECT write extends the file (ext4
-                        # serialises extending direct writes). Buffered writes need no help, and on
-                        # tmpfs preallocation would zero every page before it is written.
-                        handle.allocate(-(-f.size // DIRECT_ALIGN) * DIRECT_ALIGN)
-                    if not f.device_segments:
-                        jobs.append((handle, 0, f.size, f.segments))
-            crash_point("open")
-            with span("write"):
-                engine.write(jobs)
-            device_files = [i for i, f in enumerate(files) if f.device_segments]
-            if device_files:
-                self._write_through_ring(engine, handles, [(i, files[i]) for i in device_files])
-            with span("write"):
-                for f, handle in zip(files, handles):
-                    handle.truncate(f.size)  # drop the O_DIRECT padding of the last block
-            crash_point("write")
-            with span("fsync"):
-                if self.sync_files:
-                    engine.sync(handles, False)
-                    # Without fsync a buffered write times only the page-cache copy: not comparable.
-                    record_write(str(self.path), mode, total_bytes, time.perf_counter() - t_open,
-                                 all(h.direct for h in handles))
-                for handle in handles:
-                    handle.close()
-            crash_point("sync")
-        finally:
-            for handle in handles:
-                if not handle.closed:
-                    try:
-                        handle.close()
-                    except OSError:
-                        pass  # the original error is the one to report
-
-    def _write_through_ring(self, engine: "_C.Engine", handles: list["_C.File"], files: list[tuple[int, FilePlan]]) -> None:
-        """Write files holding device tensor bytes: device-to-host copies into a pinned ring leased
-        for this save, overlapped with the writes of the slots before, several files per engine
-        call (``fastdcp.save.device_ring``)."""
-        slot_bytes, slots, batch, in_flight = ring_shape(self.pinned_ring_limit_bytes, len(files), self._write_threads())
-        ranges = [
-            job
-            for index, f in files
-            for job in cut_ranges(index, f.size, f.segments, f.device_segments, slot_bytes)
-        ]
-        with span("pin"):
-            lease = lease_pinned(slot_bytes * slots)
-        with lease:
-            ring = DeviceRing(slot_bytes, slots, lease.tensor)
-            write_device_images(engine, handles, ranges, ring, _make_copier(), batch=batch, writes_in_flight=in_flight)
-
     # ----------------------------------------------------------------------------------------- #
     # Commit: atomic metadata swap, then cleanup.
 
@@ -547,10 +461,10 @@ class FastFileSystemWriter(FileSystemWriter):
         directory = str(self.path)
         rank_local = self._rank_local()
         metadata_name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
-        token = self._save_token or self._claim_token()
+        token = self._save_token or self.sink.claim_token()
         try:
             committed = commit_metadata(directory, metadata_name, token, metadata, new_files, self.sync_files,
-                                        self._files_written_here(new_files))
+                                        self.sink.files_written_here(new_files))
         finally:
             self._claimed_tokens = set()  # released by commit_metadata, committed or not
         self._last_commit = committed
@@ -559,11 +473,6 @@ class FastFileSystemWriter(FileSystemWriter):
             metadata.send_as(CommittedIndex(directory, *committed.chunk_index).reduced())
         crash_point("cleanup")
         remove_unreferenced(directory, committed, self.rank if rank_local else None)
-
-    def _files_written_here(self, new_files: set[str]) -> set[str]:
-        """Which of the save's data files the ranks wrote into this writer's directory (all of them:
-        every rank writes the one checkpoint directory); the commit checks they are all there."""
-        return set(new_files)
 
     def _complete_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> set[str]:
         """Fill ``metadata`` with every rank's write results (storage data, storage meta, version);

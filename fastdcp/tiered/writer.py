@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..io.backends import is_backend_url
 from ..objstore.client import AzureOptions, S3Options
 from ..save.file_image import FilePlan
+from ..save.file_sink import FileSink
 from ..save.writer import FastFileSystemWriter
 from . import local_tier
 from .drain import LocalCommit, commit_when_drained, drain_rank_files
@@ -76,10 +77,10 @@ class FastTieredWriter(FastFileSystemWriter):
         self.azure_options = azure_options
         self.shared_path = self._shared_id(path)
         super().__init__(local_tier.local_directory(self.local_root, self.shared_path), *args, **kwargs)
+        self.sink = TieredFileSink(self, self.sink)
         self.durable: Future | None = None
         self._rank_drain: Future | None = None
         self._commits = True  # whether this rank's finish() commits (see set_up_storage_writer)
-        self._keep_for_write_through: list | None = None  # the file images a write-through still reads
         self.replicas = replicas
         self.node = node
         self.replicated: Future | None = None
@@ -120,7 +121,6 @@ class FastTieredWriter(FastFileSystemWriter):
         state = super().__getstate__()
         state["durable"] = None  # futures stay in the process that drains
         state["_rank_drain"] = None
-        state["_keep_for_write_through"] = None
         if state.get("replicas"):
             raise TypeError(f"FastTieredWriter(replicas={self.replicas}) cannot be sent to another process (its "
                             "replicas travel over this process's peer group): use dcp.async_save's default "
@@ -191,31 +191,8 @@ class FastTieredWriter(FastFileSystemWriter):
         self._replica_job = job
         self.replicated = submit(job)
 
-    def _files_written_here(self, new_files: set[str]) -> set[str]:
-        """The local commit checks only the files of the ranks on this node: the others are in
-        their own nodes' local tiers (:func:`fastdcp.tiered.peers.ranks_on_this_node`)."""
-        # (only a group that exists: a rank-local save must not start a collective here)
-        here = ranks_on_this_node(existing_peer_group() if self.replicas or self._node_named else None)
-        if here is None:
-            return new_files
-        return {name for name in new_files if (m := _RANK_OF_FILE.match(name)) is None or int(m.group(1)) in here}
-
     def _rank(self) -> int:
         return int(getattr(self, "rank", 0) or 0)
-
-    def _write_files(self, files: list[FilePlan], options: Any) -> None:
-        """The local write; and when every byte of the images is in a staged slab (``async_save``
-        staged it, nothing streamed from live memory, no GPU bytes), the same images written to
-        the shared tier at the same time, so that durability there does not wait for the local copy
-        to be complete and then read back. The slab stays leased until that write is done."""
-        if self._staged_images(files):
-            prefix = self._written_prefix or ""
-            images = [(os.path.basename(f.path), f.size, f.segments) for f in files]
-            self._rank_drain = drain_rank_files(
-                self.shared_tier, self.local_path, [name for name, _, _ in images], _token_in(prefix) or "",
-                self._rank(), self.local_root, self.keep_local, images=images)
-            self._keep_for_write_through = files  # their keep_alive holds the staged views
-        super()._write_files(files, options)
 
     def _staged_images(self, files: list[FilePlan]) -> bool:
         if self._stager is None or not files or any(f.device_segments for f in files):
@@ -224,21 +201,6 @@ class FastTieredWriter(FastFileSystemWriter):
         held = self._stager.held_ranges()
         return all(any(start <= segment[1] and segment[1] + segment[2] <= end for start, end in held)
                    for f in files for segment in f.segments if len(segment) == 3 and segment[2])
-
-    def _release_staging(self, planner: SavePlanner | None = None) -> None:
-        drain = self._rank_drain
-        if drain is not None and not drain.done() and self._keep_for_write_through is not None:
-            release = super()._release_staging
-            files, self._keep_for_write_through = self._keep_for_write_through, None
-
-            def after_write_through(_: Future) -> None:
-                release(planner)
-                files.clear()
-
-            drain.add_done_callback(after_write_through)
-            return
-        self._keep_for_write_through = None
-        super()._release_staging(planner)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         job, self._replica_job = self._replica_job, None
@@ -279,3 +241,52 @@ def _token_in(name: str) -> str | None:
     """The save token in a fastdcp data file name or prefix (``__{rank}_{token}_...``)."""
     m = _TOKEN_IN_NAME.match(name)
     return m.group(1) if m else None
+
+
+class TieredFileSink:
+    """The local tier's files (:class:`fastdcp.save.file_sink.FileSink`): the local sink's writes;
+    and when every byte of the images is in a staged slab (``async_save`` staged it, nothing
+    streamed from live memory, no GPU bytes), the same images written to the shared tier at the
+    same time, so that durability there does not wait for the local copy and a read back (the
+    writer keeps the slab until that write is done). The local commit checks only the files of
+    the ranks on this node: the others are in their own nodes' local tiers.
+
+    Args:
+        writer: the tiered writer; local: the sink of its local directory.
+    """
+
+    def __init__(self, writer: FastTieredWriter, local: FileSink) -> None:
+        self.writer = writer
+        self.local = local
+
+    def claim_token(self) -> str:
+        return self.local.claim_token()
+
+    def storage_prefix(self, rank: int, token: str) -> str:
+        return self.local.storage_prefix(rank, token)
+
+    def data_file_path(self, storage_key: str) -> str:
+        return self.local.data_file_path(storage_key)
+
+    def write_threads(self) -> int:
+        return self.local.write_threads()
+
+    def write_files(self, files: list[FilePlan], options: Any) -> Future | None:
+        writer = self.writer
+        through = None
+        if writer._staged_images(files):
+            prefix = writer._written_prefix or ""
+            images = [(os.path.basename(f.path), f.size, f.segments) for f in files]
+            through = writer._rank_drain = drain_rank_files(
+                writer.shared_tier, writer.local_path, [name for name, _, _ in images], _token_in(prefix) or "",
+                writer._rank(), writer.local_root, writer.keep_local, images=images)
+        self.local.write_files(files, options)
+        return through
+
+    def files_written_here(self, new_files: set[str]) -> set[str]:
+        # (only a group that exists: a rank-local save must not start a collective here)
+        writer = self.writer
+        here = ranks_on_this_node(existing_peer_group() if writer.replicas or writer._node_named else None)
+        if here is None:
+            return set(new_files)
+        return {name for name in new_files if (m := _RANK_OF_FILE.match(name)) is None or int(m.group(1)) in here}

@@ -220,7 +220,6 @@ def test_a_reused_plan_never_rewrites_the_live_files(tmp_path, monkeypatch):
     """Stock ``DefaultSavePlanner(enable_plan_caching=True)`` hands the second save the first
     save's final plans, file prefix included: the writer must still write new files (never open a
     file the live checkpoint references) and name them in the metadata."""
-    import fastdcp.save.writer as writer_module
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     if "enable_plan_caching" not in inspect.signature(DefaultSavePlanner.__init__).parameters:
@@ -230,13 +229,15 @@ def test_a_reused_plan_never_rewrites_the_live_files(tmp_path, monkeypatch):
              no_dist=True)
     live = {info.relative_path for info in FileSystemReader(tmp_path).read_metadata().storage_data.values()}
     opened = []
-    real_file = writer_module._C.File
+    from fastdcp._native import _C
+
+    real_file = _C.File
 
     def recording_file(path, mode, direct):
         opened.append(os.path.basename(path))
         return real_file(path, mode, direct)
 
-    monkeypatch.setattr(writer_module._C, "File", recording_file)
+    monkeypatch.setattr(_C, "File", recording_file)
     second = _state(2)
     dcp.save(second, storage_writer=FastFileSystemWriter(tmp_path), planner=DefaultSavePlanner(enable_plan_caching=True),
              no_dist=True)

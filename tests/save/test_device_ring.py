@@ -19,7 +19,7 @@ import dcp_cases as C
 from stand_in_copier import DeferredCopier, cpu_as_device  # noqa: F401 - a fixture
 from fastdcp import FastFileSystemWriter, _C
 from fastdcp.save.device_ring import DeviceRing, cut_ranges, interleave, write_device_images
-from fastdcp.save.writer import ring_shape
+from fastdcp.save.file_sink import ring_shape
 from fastdcp.io.engine import DIRECT_ALIGN, IoOptions, get_engine
 from fastdcp.io.pinned_pool import pinned_pool_stats, reset_pinned_pool
 
