@@ -26,7 +26,7 @@ which reads those chunks whole. ``bytes_read`` counts what was read.
 The same checks as the reader: ``.metadata`` through the restricted unpickler
 (``allow_unsafe_metadata`` opts out), every data path kept inside the checkpoint, byte ranges
 checked against file sizes. Data files are opened when the checkpoint is opened (at most
-``reader._PIN_FILES_LIMIT``; the rest when read), so a save that overwrites the directory
+``read_source._PIN_FILES_LIMIT``; the rest when read), so a save that overwrites the directory
 meanwhile does not change what this object reads.
 
 Non-tensor entries (``BYTE_IO``) are returned as DCP's ``load`` returns them: ``torch.load(...,
@@ -63,7 +63,7 @@ from ..io.engine import IoOptions, get_engine
 from .header_pass import KnownBlobs, parse_blob, read_windows
 from .pieces import Placement, plan_placement
 from .placement import run_placements
-from .reader import pin_limit
+from .read_source import pin_limit
 from .slicing import Box, box_of_index
 
 __all__ = ["ChunkInfo", "TensorInfo", "ObjectInfo", "StoredRun", "TensorSlice", "LazyCheckpoint", "open_checkpoint"]

@@ -35,7 +35,6 @@ import inspect
 import io
 import logging
 import os
-import resource
 import time
 import traceback
 from collections import defaultdict
@@ -43,7 +42,6 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -55,25 +53,18 @@ from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.blob import BlobFormatError
 from ..format.blob_parse import TensorBlobInfo
 from ..format.checksums import ChecksumError, checksummed_items
-from ..format.table_metadata import TableMetadata, TableStorageData, referenced_files, table_file_extents
+from ..format.table_metadata import TableMetadata
 from ..io.phases import timed
-from ..io.checkpoint_files import (
-    check_data_paths,
-    check_file_extents,
-    check_relative_path,
-    file_extents,
-    resolve_data_file,
-)
-from ..io.engine import IoOptions, env_flag, get_engine
+from ..io.engine import IoOptions, env_flag
 from ..io.gc import gc_paused
-from ..io.read_mode import ReadMode, read_mode_for, record_read
+from ..io.read_mode import ReadMode, record_read
 from .deadline import DEADLINE_FROM_ENV, END, START, LoadCheckIns, begin_load, reading_files_status, \
     resolve_load_deadline, stall_point
 from .header_pass import KnownBlobs, Window, parse_blob, read_windows, window_bytes
-from .metadata_cache import metadata_cache
 from .read_once import ReadOnceShare, ReplicaGroup, ReplicaKey, replica_groups, replica_key
-from .sectioned_metadata import SectionedTableMetadata, SectionStorageData
+from .sectioned_metadata import SectionedTableMetadata
 from .pieces import Placement, plan_placement
+from .read_source import LocalReadSource, ReadSource, pin_limit, reopen_in_mode
 from .placement import run_placements
 from .verify import verify_checksums
 
@@ -82,12 +73,6 @@ __all__ = ["FastFileSystemReader", "ConcurrentOverwriteError", "pin_limit"]
 logger = logging.getLogger("fastdcp")  # the library's one logger: it prints nothing by itself
 
 _STOCK_INIT_PARAMS = frozenset(inspect.signature(FileSystemReader.__init__).parameters)
-
-# The most data files opened right after reading .metadata (a quarter of the descriptor limit at
-# most). Beyond it (thousands of ranks' files), files are opened when read, and a load racing an
-# overwrite may find one gone and fail with a clear error.
-_PIN_FILES_LIMIT = 1024
-
 
 @dataclasses.dataclass(frozen=True)
 class _SaveIdentity:
@@ -103,17 +88,6 @@ class _SaveIdentity:
 class ConcurrentOverwriteError(RuntimeError):
     """The ranks of one load read different saves of the checkpoint: a concurrent save replaced it
     between their ``.metadata`` reads."""
-
-
-def pin_limit() -> int:
-    """How many data files a load opens right after reading ``.metadata``."""
-    try:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (OSError, ValueError):
-        return _PIN_FILES_LIMIT
-    if soft == resource.RLIM_INFINITY:
-        return _PIN_FILES_LIMIT
-    return max(0, min(_PIN_FILES_LIMIT, soft // 4))
 
 
 def _unreadable(error: Exception, rank: int) -> CheckpointException:
@@ -205,9 +179,9 @@ class FastFileSystemReader(FileSystemReader):
         # The load set up last's state_dict_metadata (for a TableMetadata, its entry views: a
         # lookup builds one entry, and its chunks one at a time).
         self._state_dict_metadata: Mapping[str, Any] | None = None
-        # Data files opened right after reading .metadata (see the module docstring), by
-        # relative path; consumed by read_data, closed when the load ends.
-        self._pinned: dict[str, tuple[_C.File, bool]] = {}  # relative path -> (file, opened O_DIRECT)
+        # Where the load's files come from (fastdcp.load.read_source); a storage that serves
+        # them otherwise sets its own.
+        self.source: ReadSource = LocalReadSource(self)
         self._metadata_read: Metadata | None = None
         # The error of the last read_metadata() without rank=, until the next read (see there).
         self._failed_global_read: Exception | None = None
@@ -306,7 +280,7 @@ class FastFileSystemReader(FileSystemReader):
                 with gc_paused():
                     self._read_native(per_file, planner)
         finally:
-            self._unpin()  # this rank's reads are done: files it did not need are closed too
+            self.source.release()  # this rank's reads are done: files it did not need are closed too
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -327,7 +301,7 @@ class FastFileSystemReader(FileSystemReader):
         super().reset(checkpoint_id)
         self._state_dict_metadata = None
         self._failed_global_read = None
-        self._unpin()
+        self.source.release()
 
     @timed("plan")
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -388,7 +362,7 @@ class FastFileSystemReader(FileSystemReader):
             stall_point("read_metadata")
         try:
             try:
-                metadata = self._read_metadata(rank)
+                metadata = self._remember(self.source.read_metadata(rank))
             finally:
                 if check_ins is not None:
                     check_ins.check_in(START)  # every rank reached the load (raises past the deadline)
@@ -404,48 +378,6 @@ class FastFileSystemReader(FileSystemReader):
             self._check_ins = check_ins  # read_data checks in at the end of this load's reads
         return metadata
 
-    def _read_metadata(self, rank: int | None) -> Metadata:
-        """This load's metadata, its data files pinned. A data file missing right after
-        ``.metadata`` was read means a concurrent save committed in between (its cleanup removed
-        the file): ``.metadata`` is read again, as long as it keeps being replaced (up to
-        ``_METADATA_READS`` times: saves committing back to back on a loaded machine can do that
-        more than once). A file missing while ``.metadata`` is unchanged is a damaged checkpoint,
-        reported by the read that needs the file."""
-        group_rank = _default_group_rank() if rank is None else None
-        for attempt in range(_METADATA_READS):
-            committed = _metadata_identity(self.path)
-
-            def settled(pinned: bool) -> bool:  # pinned; or the last try; or damage, not a commit
-                return pinned or attempt == _METADATA_READS - 1 or _metadata_identity(self.path) == committed
-
-            metadata = metadata_cache.load(self.path, rank, self.allow_unsafe_metadata,
-                                           sectioned=group_rank is not None)
-            if isinstance(metadata, SectionedTableMetadata):
-                # This rank's section (the default group's rank for now; set_up_storage_reader
-                # rebinds when DCP names another): its files are checked and pinned, not all.
-                metadata.bind_rank(group_rank)
-                section = metadata.rank_section()
-                if section is not None:
-                    for rel in section.table.storage.files:  # type: ignore[union-attr]
-                        check_relative_path(self.path, rel)
-                    if settled(self._pin_names(set(section.table.storage.files))):  # type: ignore[union-attr]
-                        break
-                    logger.info("a data file of %s vanished right after its .metadata was read (a concurrent "
-                                "save committed): reading .metadata again", self.path)
-                    continue
-            # Every data file the metadata names must stay inside the checkpoint (stock code reads
-            # the items fastdcp hands back to it, so this is checked up front, not only in _open).
-            if isinstance(metadata, TableMetadata) and metadata.table_answers_storage():
-                for rel in metadata.chunk_table.storage.files:  # type: ignore[union-attr]
-                    check_relative_path(self.path, rel)
-            else:
-                check_data_paths(self.path, metadata.storage_data)
-            if settled(self._pin(metadata)):
-                break  # a file missing under an unchanged .metadata is reported when read
-            logger.info("a data file of %s vanished right after its .metadata was read (a concurrent save "
-                        "committed): reading .metadata again", self.path)
-        return self._remember(metadata)
-
     def _remember(self, metadata: Metadata) -> Metadata:
         """``metadata`` as this load's (its save id checked across ranks), stamped with the load id."""
         self._metadata_read = metadata
@@ -454,65 +386,11 @@ class FastFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _pin(self, metadata: Metadata) -> bool:
-        """Open every data file ``metadata`` names (when they are few enough), replacing earlier
-        pins. False when one of them does not exist (no pins are kept then)."""
-        if isinstance(metadata, TableMetadata) and metadata.table_answers_storage():
-            names = set(referenced_files(metadata.chunk_table))
-        else:
-            names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-        return self._pin_names(names)
-
-    def _pin_names(self, names: set[Any]) -> bool:
-        """Open the data files ``names`` (when they are few enough), replacing earlier pins. False
-        when one of them does not exist (no pins are kept then)."""
-        self._unpin()
-        if not names or len(names) > pin_limit():
-            return True
-        direct = self.io_options.direct_for(str(self.path))
-        try:
-            for rel in sorted(names):
-                path = resolve_data_file(self.path, rel)
-                self._pinned[rel] = (_C.File(path, "r", direct), direct)
-        except FileNotFoundError:
-            self._unpin()
-            return False
-        except Exception:  # noqa: BLE001 - anything else is reported by the read that needs the file
-            self._unpin()
-        return True
-
-    def _unpin(self) -> None:
-        pinned, self._pinned = self._pinned, {}
-        for file, _ in pinned.values():
-            file.close()
-
-    def _open(self, relative_path: str) -> _C.File:
-        # Refuses paths leading out of the checkpoint (absolute, "..", symlinks), non-regular
-        # files, and (before anything is allocated) byte ranges past the end of the file.
-        pinned = self._pinned.pop(relative_path, None)
-        if pinned is not None:
-            file = pinned[0] if pinned[1] == self._direct else _in_mode(pinned[0], self._direct)
-            path = os.path.join(str(self.path), relative_path)
-        else:
-            path = resolve_data_file(self.path, relative_path)
-            file = _C.File(path, "r", self._direct)
-        try:
-            answering = self.storage_data
-            if isinstance(answering, SectionStorageData):
-                answering = answering.current()  # the section's view, or the whole table's once read
-            if self._extents is None or self._extents[0] is not answering:
-                self._extents = (answering, _file_extents(answering))
-            check_file_extents(self._extents[1], relative_path, path, file.size())
-        except BaseException:
-            file.close()
-            raise
-        return file
-
     def _read_native(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]], planner: LoadPlanner) -> None:
         started = time.perf_counter()
         # With verify_checksums the mode is chosen after the checksum pass, which reads every item
         # buffered and so leaves it in the page cache (read from there, not from the disk again).
-        mode = None if self.verify_checksums else self._choose_read_mode(per_file)
+        mode = None if self.verify_checksums else self.source.choose_read_mode(per_file)
         self._direct = mode.direct if mode is not None else self.io_options.direct_for(str(self.path))
         files: dict[str, _C.File] = {}
         # Blobs that are valid torch.save archives but not one plain strided tensor (quantized,
@@ -520,16 +398,16 @@ class FastFileSystemReader(FileSystemReader):
         unparsed: list[tuple[ReadItem, BlobFormatError]] = []
         try:
             for rel in per_file:
-                files[rel] = self._open(rel)
+                files[rel] = self.source.open(rel)
             if self.verify_checksums:
-                self._verify(self._read_engine(False), files, per_file)  # buffered reads
-                mode = self._choose_read_mode(per_file)
+                self._verify(self.source.read_engine(False), files, per_file)  # buffered reads
+                mode = self.source.choose_read_mode(per_file)
                 if mode is not None and mode.direct != self._direct:
                     self._direct = mode.direct
                     for rel, file in files.items():
-                        files[rel] = _in_mode(file, mode.direct)
+                        files[rel] = reopen_in_mode(file, mode.direct)
             read_started = time.perf_counter()  # the read phase: first read to last placement
-            engine = self._read_engine(self._direct)
+            engine = self.source.read_engine(self._direct)
             windows = read_windows(engine, files, per_file, self._direct)
             placements: list[Placement] = []
             known = KnownBlobs(self._state_dict_metadata)
@@ -575,23 +453,6 @@ class FastFileSystemReader(FileSystemReader):
             except BaseException as stock_error:  # CheckpointException is a BaseException
                 raise unparsed[0][1] from stock_error
 
-    def _read_engine(self, direct: bool) -> Any:
-        """What this load's reads go through: the native engine for the chosen mode."""
-        return get_engine(self.io_options.read_with(direct))
-
-    def _choose_read_mode(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> ReadMode | None:
-        """The mode of this load (fastdcp.io.read_mode), from the files it reads and the bytes of
-        the stored blobs it needs (an upper bound when it reads parts of them)."""
-        directory = str(self.path)
-        planned = 0
-        for pairs in per_file.values():
-            planned += sum({info.offset: info.length for _, info in pairs}.values())
-        paths = [os.path.join(directory, rel) for rel in per_file]
-        mode = self.last_read_mode = read_mode_for(directory, self.io_options, paths, planned)
-        logger.debug("reading %d files (%d bytes) of %s %s (%s)", len(paths), planned, directory,
-                     "with O_DIRECT" if mode.direct else "buffered", mode.reason)
-        return mode
-
     def _verify(self, engine: _C.Engine, files: dict[str, _C.File],
                 per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> None:
         """Check the items this load reads against their recorded checksums; raise on mismatch."""
@@ -604,56 +465,3 @@ class FastFileSystemReader(FileSystemReader):
     def _load_bytes(self, windows: list[Window], info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> None:
         data = window_bytes(windows, info.offset, info.offset + info.length)
         planner.load_bytes(item, io.BytesIO(data))
-
-
-
-
-def _in_mode(file: _C.File, direct: bool) -> _C.File:
-    """``file`` (open for reading) opened again with or without O_DIRECT, and closed. Through its own
-    descriptor, not its path: a pinned file stays the one the metadata named even when a
-    concurrent save has replaced or unlinked its path since. Without /proc (the reopen fails) the
-    file is kept as it is: the right bytes, in the other mode."""
-    try:
-        reopened = file.reopen(direct)
-    except OSError:
-        return file
-    try:
-        file.close()
-    except OSError:
-        pass  # read-only: nothing was written that a close could report lost
-    return reopened
-
-
-# How many times a load reads .metadata while saves keep committing new ones under it.
-_METADATA_READS = 8
-
-
-def _metadata_identity(path: Any) -> tuple[int, int, int] | None:
-    """What changes when a save commits a new ``.metadata`` (it is renamed into place): inode,
-    modification time and size; None when it cannot be read."""
-    try:
-        st = os.stat(os.path.join(str(path), ".metadata"))
-    except OSError:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def _default_group_rank() -> int | None:
-    """This process's rank in the default process group when that group has several ranks (a
-    load that may read one rank's section of the chunk index), else None."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return dist.get_rank() if dist.get_world_size() > 1 else None
-    except (RuntimeError, ValueError):
-        return None
-
-
-def _file_extents(storage_data: Any) -> Mapping[str, tuple[int, Any]]:
-    """:func:`fastdcp.io.checkpoint_files.file_extents`, from the columns when ``storage_data`` is
-    still a chunk table's view (iterating it would build every item)."""
-    if isinstance(storage_data, SectionStorageData):
-        storage_data = storage_data.current()
-    if isinstance(storage_data, TableStorageData) and not storage_data.materialised:
-        return table_file_extents(storage_data.chunk_table)
-    return file_extents(storage_data)

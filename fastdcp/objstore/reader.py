@@ -23,7 +23,8 @@ from ..compat.renamed import READER_RENAMES, renamed_arguments
 from ..format.metadata import METADATA_NAME, CheckpointFormatError
 from ..io.engine import get_engine
 from ..load.deadline import DEADLINE_FROM_ENV
-from ..load.reader import FastFileSystemReader, _default_group_rank
+from ..load.read_source import default_group_rank
+from ..load.reader import FastFileSystemReader
 from ..load.sectioned_metadata import SectionedTableMetadata, metadata_bytes_read
 from .azure import AZURE_SCHEMES
 from .client import AzureOptions, S3Options
@@ -75,49 +76,14 @@ class FastObjectReader(AtObjectLocation, FastFileSystemReader):
             read_once=read_once,
         )
         self._settle(self.location, store_options)
-        self._engine: ObjectReadEngine | None = None
+        self.source = ObjectReadSource(self)
         # The metadata requests and bytes of every load through this reader, and where the
         # current load's began (metadata_bytes_read(), requests).
         self.metadata_fetched = ObjectFetches()
         self._metadata_mark: tuple[int, int] | None = None
 
-    def _read_metadata(self, rank: int | None) -> Metadata:
-        """This load's metadata: from the chunk index ``.metadata`` names (on several ranks, this
-        rank's section of it), else ``.metadata`` parsed whole; every data object it names
-        checked to lie directly under the checkpoint's prefix."""
-        self._metadata_mark = (metadata_bytes_read(), self.metadata_fetched.requests)
-        name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
-        group_rank = _default_group_rank() if rank is None else None
-        metadata = read_object_metadata(self._store(), self.location, name, self.store_options,
-                                        self.allow_unsafe_metadata, sectioned=group_rank is not None,
-                                        fetches=self.metadata_fetched)
-        if isinstance(metadata, SectionedTableMetadata):
-            # This rank's section (the default group's rank for now; set_up_storage_reader rebinds
-            # when DCP names another), read now as the local reader does.
-            metadata.bind_rank(group_rank)
-            section = metadata.rank_section()
-            if section is not None:
-                check_object_names(self.location, name, section.table.storage.files)  # type: ignore[union-attr]
-        return self._remember(metadata)
-
-    def _choose_read_mode(self, per_file: Any) -> None:
-        return None  # no page cache, no O_DIRECT: ranged GETs
-
-    def _read_engine(self, direct: bool) -> ObjectReadEngine:
-        if self._engine is None:
-            self._engine = ObjectReadEngine(get_engine(self.io_options), self.store_options)
-        return self._engine
-
-    def _open(self, relative_path: str) -> ObjectFile:
-        # The object's length is checked by every ranged read (a short one names the object), so
-        # opening costs no request.
-        if not is_object_name(relative_path):
-            raise CheckpointFormatError(f"{self.location.url()}: the metadata names a data object {relative_path!r} "
-                                        "outside the checkpoint")
-        return ObjectFile(self._store(), self.location, relative_path, self.store_options)
-
     def read_data(self, plan: Any, planner: LoadPlanner) -> Any:
-        engine = self._read_engine(False)
+        engine = self.source.read_engine(False)
         requests, fetched = engine.requests, engine.bytes_fetched
         mark, self._metadata_mark = self._metadata_mark, None
         metadata = None
@@ -129,6 +95,57 @@ class FastObjectReader(AtObjectLocation, FastFileSystemReader):
         if metadata is not None:
             self.last_stats["metadata_bytes"], self.last_stats["metadata_requests"] = metadata
         return future
+
+
+class ObjectReadSource:
+    """A load's objects (:class:`fastdcp.load.read_source.ReadSource`): the metadata from the chunk
+    index by ranged GETs, data objects read by concurrent ranged GETs, no read mode to choose.
+
+    Args:
+        reader: the object reader whose location, options and fetch counts it uses.
+    """
+
+    def __init__(self, reader: "FastObjectReader") -> None:
+        self.reader = reader
+        self._engine: ObjectReadEngine | None = None
+
+    def read_metadata(self, rank: int | None) -> Metadata:
+        """This load's metadata: from the chunk index ``.metadata`` names (on several ranks, this
+        rank's section of it), else ``.metadata`` parsed whole; every data object it names
+        checked to lie directly under the checkpoint's prefix."""
+        self.reader._metadata_mark = (metadata_bytes_read(), self.reader.metadata_fetched.requests)
+        name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+        group_rank = default_group_rank() if rank is None else None
+        metadata = read_object_metadata(self.reader._store(), self.reader.location, name, self.reader.store_options,
+                                        self.reader.allow_unsafe_metadata, sectioned=group_rank is not None,
+                                        fetches=self.reader.metadata_fetched)
+        if isinstance(metadata, SectionedTableMetadata):
+            # This rank's section (the default group's rank for now; set_up_storage_reader rebinds
+            # when DCP names another), read now as the local reader does.
+            metadata.bind_rank(group_rank)
+            section = metadata.rank_section()
+            if section is not None:
+                check_object_names(self.reader.location, name, section.table.storage.files)  # type: ignore[union-attr]
+        return metadata
+
+    def choose_read_mode(self, per_file: Any) -> None:
+        return None  # no page cache, no O_DIRECT: ranged GETs
+
+    def read_engine(self, direct: bool) -> ObjectReadEngine:
+        if self._engine is None:
+            self._engine = ObjectReadEngine(get_engine(self.reader.io_options), self.reader.store_options)
+        return self._engine
+
+    def open(self, relative_path: str) -> ObjectFile:
+        # The object's length is checked by every ranged read (a short one names the object), so
+        # opening costs no request.
+        if not is_object_name(relative_path):
+            raise CheckpointFormatError(f"{self.reader.location.url()}: the metadata names a data object {relative_path!r} "
+                                        "outside the checkpoint")
+        return ObjectFile(self.reader._store(), self.reader.location, relative_path, self.reader.store_options)
+
+    def release(self) -> None:
+        pass  # nothing held between loads: objects are opened per read
 
 
 class FastS3Reader(FastObjectReader):

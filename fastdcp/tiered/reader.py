@@ -111,14 +111,14 @@ class FastTieredReader(StorageReader):
                                    f"reading .metadata of {self.shared_path} (or of its local copy {self.local_path})")
             stall_point("read_metadata")
         try:
-            metadata = self._read_metadata(*args, **kwargs)
+            metadata = self._choose_and_read_metadata(*args, **kwargs)
         finally:
             if check_ins is not None:
                 check_ins.check_in(START)  # raises LoadDeadlineError past the deadline
         self._check_ins = check_ins
         return metadata
 
-    def _read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def _choose_and_read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         if self.from_peers and rank is None and dist.is_available() and dist.is_initialized():
             self._recovery = plan_recovery(peer_group(self.node), self.local_path, self.shared_path)

@@ -374,7 +374,7 @@ def test_o_direct_reads_keep_at_least_eight_requests_in_flight_unless_told(direc
 
 
 def test_an_o_direct_load_reads_through_the_engine_with_more_threads(disk_dir, monkeypatch):
-    import fastdcp.load.reader as reader_module
+    import fastdcp.load.read_source as reader_module
     used: list[IoOptions] = []
     real_get_engine = reader_module.get_engine
     monkeypatch.setattr(reader_module, "get_engine", lambda options: used.append(options) or real_get_engine(options))

@@ -12,7 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fastdcp
-from fastdcp.load import reader as reader_module
+from fastdcp.load import read_source as source_module
+from fastdcp.load.metadata_cache import metadata_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -24,7 +25,7 @@ def _save(path: str, value: float) -> None:
 def test_a_load_reads_metadata_again_while_saves_keep_committing(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt")
     _save(path, 0.0)
-    real_pin = reader_module.FastFileSystemReader._pin
+    real_pin = source_module.LocalReadSource._pin
     commits = []
 
     def pin_after_a_commit(self, metadata):
@@ -36,7 +37,7 @@ def test_a_load_reads_metadata_again_while_saves_keep_committing(tmp_path, monke
             return False
         return real_pin(self, metadata)
 
-    monkeypatch.setattr(reader_module.FastFileSystemReader, "_pin", pin_after_a_commit)
+    monkeypatch.setattr(source_module.LocalReadSource, "_pin", pin_after_a_commit)
     state = {"w": torch.zeros(64)}
     dcp.load(state, storage_reader=fastdcp.FastFileSystemReader(path), no_dist=True)
     assert commits == [1.0, 2.0, 3.0]
@@ -49,13 +50,13 @@ def test_a_missing_file_under_an_unchanged_metadata_is_reported_after_one_read(t
     data = [name for name in os.listdir(path) if name.endswith(".distcp")]
     os.remove(os.path.join(path, data[0]))
     reads = []
-    real_load = reader_module.metadata_cache.load
+    real_load = metadata_cache.load
 
     def counted(*args, **kwargs):
         reads.append(1)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(reader_module.metadata_cache, "load", counted)
+    monkeypatch.setattr(metadata_cache, "load", counted)
     with pytest.raises(BaseException, match=data[0]) as raised:  # CheckpointException is a BaseException
         dcp.load({"w": torch.zeros(64)}, storage_reader=fastdcp.FastFileSystemReader(path), no_dist=True)
     assert "does not exist" in str(raised.value)

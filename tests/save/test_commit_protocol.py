@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan
 
 import fastdcp.load.reader as fast_reader
+from fastdcp.load.metadata_cache import metadata_cache as fast_metadata_cache
 import fastdcp.save.commit as fast_commit
 from fastdcp import ConcurrentOverwriteError, ConcurrentSaveError, FastFileSystemReader, FastFileSystemWriter
 from fastdcp.save import inflight
@@ -297,7 +298,7 @@ def test_a_file_gone_before_it_was_opened_means_reading_the_metadata_again(tmp_p
     """The overwrite commits between reading .metadata and opening its files: the reader reads
     the metadata again and loads the new save, whole."""
     _save(tmp_path, _state(1))
-    real_load = fast_reader.metadata_cache.load
+    real_load = fast_metadata_cache.load
     calls = []
 
     def load_then_overwrite(path, rank, allow_unsafe, **kwargs):
@@ -307,7 +308,7 @@ def test_a_file_gone_before_it_was_opened_means_reading_the_metadata_again(tmp_p
             _save(tmp_path, _state(2))
         return metadata
 
-    monkeypatch.setattr(fast_reader.metadata_cache, "load", load_then_overwrite)
+    monkeypatch.setattr(fast_metadata_cache, "load", load_then_overwrite)
     got = _load(tmp_path, FastFileSystemReader)
     assert len(calls) == 2, f"the metadata was read {len(calls)} times"
     assert _equal(got, _state(2))
