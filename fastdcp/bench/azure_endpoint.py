@@ -64,17 +64,40 @@ class AzureEndpoint:
                                        stdin=subprocess.DEVNULL, cwd=data, start_new_session=True)
         try:
             _wait_listening(self.port, self.server, log, "Azurite's blob service", timeout=120)
-            self.proxy_port = _free_port()
-            proxy_log = self.workdir / "proxy.log"
-            self.proxy = subprocess.Popen(
-                [sys.executable, "-m", "fastdcp.bench.s3_proxy", "--listen", f"127.0.0.1:{self.proxy_port}",
-                 "--upstream", f"127.0.0.1:{self.port}", "--delay-ms", str(self.delay_ms)],
-                stdout=open(proxy_log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            _wait_listening(self.proxy_port, self.proxy, proxy_log, "the proxy")
+            self.start_proxy()
         except Exception as error:
             self.stop()
             raise AzureEndpointUnavailable(str(error)) from error
         return self
+
+    def start_proxy(self, port: int | None = None) -> None:
+        """(Re)start the proxy with the current ``delay_ms``, on ``port`` or a free one."""
+        self.proxy_port = port or _free_port()
+        proxy_log = self.workdir / "proxy.log"
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "fastdcp.bench.s3_proxy", "--listen", f"127.0.0.1:{self.proxy_port}",
+             "--upstream", f"127.0.0.1:{self.port}", "--delay-ms", str(self.delay_ms)],
+            stdout=open(proxy_log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        _wait_listening(self.proxy_port, self.proxy, proxy_log, "the proxy")
+
+    def kill_proxy(self) -> None:
+        """The proxy dies (SIGKILL) with its connections; Azurite and its blobs stay."""
+        if self.proxy is not None:
+            self.proxy.kill()
+            self.proxy.wait()
+            self.proxy = None
+
+    def version(self) -> str | None:
+        """Azurite's version (``azurite-blob --version``), or None."""
+        binary = azurite_binary()
+        if binary is None:
+            return None
+        try:
+            done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        text = done.stdout.strip()
+        return text.splitlines()[-1] if done.returncode == 0 and text else None
 
     def stop(self) -> None:
         for process in (self.proxy, self.server):

@@ -16,7 +16,7 @@ from .systems import ASYNC_VARIANT_NAMES, SYSTEM_NAMES, standin_requested
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 CPU_SCENARIOS = ("save", "load", "reshard", "small", "async", "async_new_writer", "async_first", "train_loop",
-                 "tiered", "concurrency", "convert", "plan_scale", "s3", "read_once", "replicas")
+                 "tiered", "concurrency", "convert", "plan_scale", "s3", "azure", "read_once", "replicas")
 GPU_SCENARIOS = ("gpu_save", "gpu_load", "gpu_async", "gpu_async_new_writer")
 # In no default list: the box copy alone (GPU kernel, or the CPU engine where there is no GPU).
 EXTRA_SCENARIOS = ("box_copy",)
@@ -94,6 +94,8 @@ class BenchConfig:
     plan_replicas: int = 1                  # plan_scale: R, the load's replication (N/R shards x R replicas)
     s3_delay_ms: float = 10.0               # s3: one-way delay of the second run (a 20 ms round trip)
     s3_size: int = 1 * GiB                  # s3: state size (moto takes ~0.1 GiB/s: 1 GiB is ~25 min)
+    azure_delay_ms: float = 10.0            # azure: one-way delay of the second run (a 20 ms round trip)
+    azure_size: int = 1 * GiB               # azure: state size
     read_once_size: int = 128 * MiB         # read_once: state size
     read_once_rate_mib_s: float = 100.0     # read_once: the storage's bandwidth, shared by every rank
     read_once_replicas: tuple[int, ...] = (1, 2, 4)  # read_once: replica counts R (2 x R ranks)
@@ -225,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "must be a multiple of R (default 1: no replicated load)")
     p.add_argument("--s3-size", type=parse_size,
                    help="s3: state size (default the smaller of --size and 1GiB: the test server takes ~0.1 GiB/s)")
+    p.add_argument("--azure-size", type=parse_size,
+                   help="azure: state size (default the smaller of --size and 1GiB: the test server, Azurite, "
+                        "is one Node.js process)")
     p.add_argument("--read-once-size", type=parse_size,
                    help="read_once: state size (default the smaller of --size and 128MiB)")
     p.add_argument("--read-once-rate-mib-s", type=float,
@@ -243,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "against (default 512; the shared tier here is a directory on the disk, read at its speed)")
     p.add_argument("--s3-delay-ms", type=float,
                    help="s3: one-way delay the proxy adds in the scenario's second run (default 10: a 20 ms "
+                        "round trip)")
+    p.add_argument("--azure-delay-ms", type=float,
+                   help="azure: one-way delay the proxy adds in the scenario's second run (default 10: a 20 ms "
                         "round trip)")
     p.add_argument("--reshard-size", type=parse_size,
                    help="state size for `reshard` (default --size; quick: --size/4 with 32 instead "
@@ -287,6 +295,7 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         c.size = a.size
     c.reshard_size = a.reshard_size if a.reshard_size else (c.size // 4 if a.quick else c.size)
     c.s3_size = a.s3_size if a.s3_size else min(c.size, 1 * GiB)
+    c.azure_size = a.azure_size if a.azure_size else min(c.size, 1 * GiB)
     c.read_once_size = a.read_once_size if a.read_once_size else min(c.size, 128 * MiB)
     if a.read_once_rate_mib_s is not None:
         if a.read_once_rate_mib_s <= 0:
@@ -423,10 +432,12 @@ def config_from_args(argv: list[str] | None = None) -> BenchConfig:
         if a.plan_budget < 0:
             parser.error("--plan-budget must be >= 0")
         c.plan_budget_s = a.plan_budget
-    if a.s3_delay_ms is not None:
-        if a.s3_delay_ms <= 0:
-            parser.error("--s3-delay-ms must be > 0")
-        c.s3_delay_ms = a.s3_delay_ms
+    for flag, name in (("--s3-delay-ms", "s3_delay_ms"), ("--azure-delay-ms", "azure_delay_ms")):
+        value = getattr(a, name)
+        if value is not None:
+            if value <= 0:
+                parser.error(f"{flag} must be > 0")
+            setattr(c, name, value)
     c.dir, c.shm = a.dir, not a.no_shm
     c.json_path, c.plot_path, c.checkpoint = a.json_path, a.plot_path, a.checkpoint
     c.probe_method, c.cold_method, c.keep = a.probe_method, a.cold_method, a.keep

@@ -25,7 +25,7 @@ from .reshard import run_reshard
 from .results import Recorder, finalize
 from .concurrency import run_concurrency
 from .convert import run_convert
-from .object_storage import run_s3
+from .object_storage import run_azure, run_s3
 from .read_once import run_read_once
 from .replicas import GROUP as REPLICAS_GROUP, replicas_lines, run_replicas
 from .plan_scale import run_plan_scale
@@ -41,12 +41,13 @@ from .systems import FastDCPUnavailable, fastdcp_build_info, resolve_systems
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_FASTDCP = 0, 2, 4  # EXIT_VERIFY (3): .state
 SHM = "/dev/shm"
-_NO_LOCAL_STORAGE = frozenset({"s3", "read_once", "plan_scale", "box_copy"})
+_NO_LOCAL_STORAGE = frozenset({"s3", "azure", "read_once", "plan_scale", "box_copy"})
 
 # Every single-process scenario by name: scenarios.py's, and the modules built on it.
 SCENARIO_RUNNERS = {**SINGLE_PROCESS, "train_loop": run_train_loop, "concurrency": run_concurrency,
                     "convert": run_convert, "plan_scale": run_plan_scale, "box_copy": run_box_copy,
-                    "s3": run_s3, "read_once": run_read_once, "tiered": run_tiered, "replicas": run_replicas}
+                    "s3": run_s3, "azure": run_azure, "read_once": run_read_once, "tiered": run_tiered,
+                    "replicas": run_replicas}
 
 
 def _banner(lines: list[str]) -> None:
