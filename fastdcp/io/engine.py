@@ -146,8 +146,7 @@ class IoOptions:
         ``directory``: ``io_threads``, except with the default thread count on a memory-backed
         filesystem, where it is at most this rank's share of the CPUs it may run on
         (:func:`cpu_share`). There a write is a page allocation and a memory copy, CPU work that
-        threads beyond the CPUs only time-slice. Measured on a 2-core host, 1 GiB to /dev/shm:
-        2 threads 5.0-5.1 GiB/s, 4 threads 4.8-4.9 GiB/s (dcp.save, three A/B pairs)."""
+        threads beyond the CPUs only time-slice."""
         if self.io_threads_chosen or not _C.on_memory_filesystem(directory):
             return self.io_threads
         return max(1, min(self.io_threads, cpu_share()))

@@ -98,44 +98,14 @@ def _unreadable(error: Exception, rank: int) -> CheckpointException:
 class FastFileSystemReader(FileSystemReader):
     """Drop-in replacement for :class:`torch.distributed.checkpoint.FileSystemReader`.
 
-    fastdcp's own keyword arguments:
-        direct_io: read with O_DIRECT (True) or through the page cache (False); environment
-            ``FASTDCP_DIRECT_IO``. Left unset (None), chosen for each load (``fastdcp.io.read_mode``):
-            the page cache when at least half of the files' bytes are in it (a warm page cache is
-            far faster than any disk), for loads under 64 MiB and on memory filesystems; a cold
-            load learns from this process's own cold loads from that filesystem (the first
-            buffered, the second O_DIRECT, later ones the faster). ``last_read_mode`` says what
-            the last load used and why.
-        io_threads, task_bytes: engine workers (default ``min(8, cpus)``, at least 4; left unset,
-            O_DIRECT loads use at least 8, since without readahead the requests in flight are the
-            device's queue) and the unit large reads are split into (default 32 MiB: larger
-            requests read cold files faster).
-        read_buffer_limit_bytes: the most memory the load's read buffers hold at once (default
-            512 MiB; environment ``FASTDCP_READ_BUFFER_LIMIT_BYTES``; formerly ``memory_budget_bytes``).
-        allow_unsafe_metadata: unpickle ``.metadata`` with plain :mod:`pickle` (default False).
-            By default only stock DCP metadata classes are built and a file naming anything
-            else is refused (plain pickle runs whatever code the file names); set True only
-            for a trusted checkpoint whose metadata holds custom classes.
-        load_deadline_s: the most seconds a load's rank waits for the other ranks (default:
-            environment ``FASTDCP_LOAD_DEADLINE_S``, else none; None or 0: no deadline; 1800 is
-            torch's usual process-group timeout). Off by default: a reader cannot tell a load on
-            some of the ranks from one on all of them. In a multi-rank job every rank checks in through the
-            default process group's store after reading ``.metadata`` and after its reads
-            (:mod:`fastdcp.load.deadline`); a rank that waits longer fails, and with it every rank
-            still running, with :class:`~fastdcp.load.deadline.LoadDeadlineError` naming the
-            ranks it waited for and what each was last doing (``rank 1 was reading data file
-            '__1_0.distcp' of /ckpt``). It waits for every rank of the default process group: a
-            load on only some of the ranks (``dcp.load(process_group=...)`` over a subset, or
-            ``no_dist=True``), or a ``read_metadata()`` of one's own on some ranks, needs
-            ``load_deadline_s=None``.
-        read_once: ranks whose load plans are the same (data-parallel replicas) split the reads
-            and send each other what they read over the default process group, so each stored
-            byte of a replicated shard is read once per job (default False; environment
-            ``FASTDCP_READ_ONCE``; :mod:`fastdcp.load.read_once`). Ranks with different plans read
-            as without it. Every rank of a group waits at most ``load_deadline_s`` (else 30
-            minutes) for the others; a rank that fails its reads fails the load on its group.
-            ``last_stats`` says what this rank read and received.
-    """
+    Takes stock's arguments with stock's meaning. fastdcp's own keyword arguments, each with its
+    default and environment variable in docs/api.md (FastFileSystemReader): ``direct_io`` (chosen
+    per load by :mod:`fastdcp.io.read_mode` when unset; ``last_read_mode`` says why),
+    ``io_threads``, ``task_bytes``, ``read_buffer_limit_bytes`` (the most read-buffer memory held
+    at once), ``allow_unsafe_metadata`` (plain pickle for a trusted checkpoint's custom classes),
+    ``load_deadline_s`` (:mod:`fastdcp.load.deadline`), ``read_once`` (data-parallel replicas
+    read each stored byte once: :mod:`fastdcp.load.read_once`). The files are read through
+    ``self.source`` (:mod:`fastdcp.load.read_source`)."""
 
     @renamed_arguments(READER_RENAMES)
     def __init__(

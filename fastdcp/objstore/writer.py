@@ -63,32 +63,16 @@ def key_prefixes_from(value: int | None) -> int:
 
 
 class FastObjectWriter(AtObjectLocation, FastFileSystemWriter):
-    """Drop-in for stock's ``FsspecWriter`` on object storage paths (and for ``FileSystemWriter``),
-    one class for every store; :class:`FastS3Writer` and :class:`FastAzureWriter` name its options
-    keyword for theirs: ``FastS3Writer("s3://bucket/run1/step100")``.
+    """Drop-in for stock's ``FsspecWriter`` on object storage paths, one class for every store
+    (:class:`FastS3Writer`, :class:`FastAzureWriter` name its options keyword for theirs).
 
-    Takes stock's arguments (``single_file_per_rank``, ``thread_count`` as files per rank,
-    ``overwrite``, ...; ``sync_files`` is accepted and means nothing more here: an object is
-    durable once its upload completes). ``store_options``: :class:`S3Options` or :class:`AzureOptions` (endpoint,
-    credentials, retries, part size, requests in flight); unset, everything comes from the store's
-    usual environment (``AWS_*``, ``AZURE_STORAGE_*``). ``checksums``, ``async_staging``, ``snapshot_limit_bytes``,
-    ``pinned_ring_limit_bytes``: as :class:`fastdcp.FastFileSystemWriter`; GPU tensors are uploaded
-    part by part from a ring of pinned slots of ``part_bytes``
-    (:mod:`fastdcp.objstore.device_upload`), never copied whole to host memory.
-
-    ``key_prefixes`` (environment ``FASTDCP_S3_KEY_PREFIXES``; default 1): spread the data
-    objects over that many sub-prefixes of the checkpoint's prefix (``<hex>/__{rank}_...``, rank
-    ``r`` under ``r % key_prefixes``), for stores that scale request rates per prefix; ``.metadata``
-    names them, so stock's reader loads the checkpoint as it is.
-
-    Objects are named as fastdcp names local files (``__{rank}_{token}_{i}.distcp``, the token new
-    per save), so an overwrite never mixes two saves' objects, and ``.metadata`` is written last,
-    by one PUT (atomic on S3): a failed or interrupted save leaves the previous checkpoint loadable
-    and its own objects unreferenced (deleted on the failure path when the process lives on).
-    With ``overwrite=False`` the PUT is conditional (``If-None-Match: *``), so of two saves racing
-    to create the same checkpoint exactly one commits. The objects of the checkpoint a save
-    replaced are deleted after its commit.
-    """
+    Takes stock's arguments and :class:`fastdcp.FastFileSystemWriter`'s (``sync_files`` means
+    nothing more here: an object is durable once its upload completes); ``store_options``:
+    :class:`S3Options` or :class:`AzureOptions` (unset: the store's usual environment);
+    ``key_prefixes``: data objects spread over that many sub-prefixes. Files are uploaded by
+    :class:`ObjectFileSink`; ``.metadata`` is written last by one PUT (conditional with
+    ``overwrite=False``), so a failed save leaves the previous checkpoint loadable
+    (docs/GUARANTEES.md, object storage)."""
 
     @renamed_arguments(S3_WRITER_RENAMES)
     def __init__(

@@ -200,7 +200,7 @@ class _PackedMapping(dict):
     """A plan's ``planner_data`` (the flatten mapping: fqn -> object path) that pickles as one
     compressed blob, computed once. Every rank of an FSDP job sends the same mapping; the
     coordinator keeps what a blob unpickled to, so N identical mappings cost one decode and one
-    object (and, compressed, ~10x fewer of the bytes the gather moves and allocates: the
+    object (and, compressed, far fewer of the bytes the gather moves and allocates: the
     mapping's repeated path strings were most of a first-save local plan). Read-only by
     convention, like the item lists (the unpickled object is shared)."""
 
