@@ -24,11 +24,10 @@ from .commit import claim_token
 from .crash_points import crash_point
 from .device_ring import DeviceRing, cut_ranges, write_device_images
 from .file_image import FilePlan
+from .options import RING_SLOTS
 
-__all__ = ["FileSink", "LocalFileSink", "ring_shape", "make_copier", "DEFAULT_RING_BYTES", "RING_SLOTS"]
+__all__ = ["FileSink", "LocalFileSink", "ring_shape", "make_copier"]
 
-DEFAULT_RING_BYTES = 256 << 20
-RING_SLOTS = 4  # the fewest slots of a ring
 _MIN_SLOT_BYTES = 4 << 20  # a ring batches fewer files rather than use smaller slots
 # Engine calls of the ring in flight at once: the engine's threads go on to the next batch's tasks
 # while the last tasks of a batch finish, so the storage queue does not drain at batch boundaries.

@@ -45,7 +45,7 @@ from ..format.blob import ZIP_ALIGN, is_plain_dense
 from ..format.metadata import METADATA_NAME
 from ..format.table_metadata import TableMetadata, TableStorageData
 from ..io.committed_metadata import CommittedIndex
-from ..io.engine import DIRECT_ALIGN, IoOptions, cpu_share, default_copy_threads, env_bytes, env_flag, get_engine
+from ..io.engine import cpu_share, default_copy_threads, get_engine
 from ..io.gc import gc_paused
 from ..io.phases import timed
 from ..io.write_mode import WriteMode
@@ -56,7 +56,8 @@ from .commit import (CommittedMetadata, commit_metadata, remove_partial_files, r
 from .crash_points import crash_point
 from ..io.copy_engine import is_device_tensor
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
-from .file_sink import DEFAULT_RING_BYTES, RING_SLOTS, FileSink, LocalFileSink
+from .file_sink import FileSink, LocalFileSink
+from .options import WriterOptions
 from .file_split import split_into_files
 from .guard import guarded_storage_keys
 from .results import pack_write_results, result_columns, storage_columns
@@ -140,41 +141,23 @@ class FastFileSystemWriter(FileSystemWriter):
         # None: files per rank chosen by fastdcp.save.file_split (one per engine thread); stock's
         # ``self.thread_count`` then reads 1, its default.
         self.files_per_rank: int | None = thread_count
-        self.io_options = IoOptions.resolve(
-            direct_io=direct_io, default_direct_io=True, io_threads=io_threads, task_bytes=task_bytes
-        )
+        options = WriterOptions.resolve(direct_io=direct_io, io_threads=io_threads, task_bytes=task_bytes,
+                                        checksums=checksums, pinned_ring_limit_bytes=pinned_ring_limit_bytes,
+                                        async_staging=async_staging, snapshot_limit_bytes=snapshot_limit_bytes)
+        self.options = options  # fastdcp.save.options: every setting below, resolved once
+        self.io_options = options.io
         self._save_token: str | None = None  # this save's file-name token (see prepare_global_plan)
         # Tokens this writer object claimed for the save in progress (their in-flight markers,
         # fastdcp.save.inflight): released by the commit, or here when this rank's write fails.
         self._claimed_tokens: set[str] = set()
-        ring_limit = pinned_ring_limit_bytes if pinned_ring_limit_bytes is not None else DEFAULT_RING_BYTES
-        if not isinstance(ring_limit, int) or isinstance(ring_limit, bool) or ring_limit < RING_SLOTS * DIRECT_ALIGN:
-            raise ValueError(
-                f"pinned_ring_limit_bytes must be an int of at least {RING_SLOTS * DIRECT_ALIGN}, "
-                f"got {pinned_ring_limit_bytes!r}"
-            )
-        self.pinned_ring_limit_bytes = ring_limit
+        self.pinned_ring_limit_bytes = options.pinned_ring_limit_bytes
         # How the last save wrote its files (fastdcp.io.write_mode): O_DIRECT or buffered, and why.
         self.last_write_mode: WriteMode | None = None
-        env_checksums = env_flag("FASTDCP_CHECKSUMS")
-        self.checksums = bool(checksums if checksums is not None else (env_checksums or False))
+        self.checksums = options.checksums
         self._stager: StateDictStager | None = None  # created by the first stage(); never pickled
         self._staged_on_thread: int | None = None  # see _yield_to_the_caller_of_async_save
-        env_async = env_flag("FASTDCP_ASYNC_STAGING")
-        if async_staging is not None and not isinstance(async_staging, bool):
-            raise TypeError(f"async_staging must be a bool or None, got {async_staging!r}")
-        self.async_staging = bool(async_staging if async_staging is not None else (env_async or False))
-        if snapshot_limit_bytes is None:
-            # The environment sets a default for writers that stage overlapped; others ignore it.
-            snapshot_limit_bytes = env_bytes("FASTDCP_SNAPSHOT_LIMIT_BYTES") if self.async_staging else None
-        elif not isinstance(snapshot_limit_bytes, int) or isinstance(snapshot_limit_bytes, bool) or snapshot_limit_bytes < 0:
-            raise ValueError(f"snapshot_limit_bytes must be an int >= 0 or None, got {snapshot_limit_bytes!r}")
-        elif not self.async_staging:
-            raise ValueError(
-                "snapshot_limit_bytes needs async_staging=True (FASTDCP_ASYNC_STAGING=1): a blocking stage "
-                "always copies the whole state"
-            )
-        self.snapshot_limit_bytes = snapshot_limit_bytes
+        self.async_staging = options.async_staging
+        self.snapshot_limit_bytes = options.snapshot_limit_bytes
         self._written_prefix: str | None = None  # the data-file prefix this rank's last write_data used
         self._last_commit: CommittedMetadata | None = None  # what the last finish() committed
         # Where the data files go (fastdcp.save.file_sink); a storage that stores them elsewhere
