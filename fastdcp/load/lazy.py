@@ -44,9 +44,9 @@ from __future__ import annotations
 import io
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
@@ -172,6 +172,72 @@ class TensorSlice:
         return f"TensorSlice({self._info.key!r}, shape={self._info.shape}, dtype={self._info.dtype})"
 
 
+class CheckpointFiles(Protocol):
+    """Where a :class:`LazyCheckpoint`'s bytes come from (built by ``files(checkpoint)``, after
+    the checkpoint's ``path`` and ``io_options`` are set)."""
+
+    def read_metadata(self, allow_unsafe: bool) -> Metadata:
+        """The checkpoint's validated metadata, every data file it names inside the checkpoint."""
+
+    def direct(self) -> bool:
+        """Whether reads use O_DIRECT."""
+
+    def engine(self) -> Any:
+        """What reads go through: the native engine's read surface (``read``, ``read_runs``, ...)."""
+
+    def open(self, rel: str) -> Any:
+        """Data file ``rel`` opened for reading, its size checked against the metadata's extents."""
+
+    def local_path(self, rel: str) -> str | None:
+        """The local path of data file ``rel`` (None where there is none: objects)."""
+
+    def stock_reader(self) -> FileSystemReader:
+        """A stock reader of the checkpoint, for the items fastdcp leaves to stock code."""
+
+
+class LocalCheckpointFiles:
+    """A checkpoint directory, read by the native engine.
+
+    Args:
+        checkpoint: the lazy checkpoint whose path, options and metadata extents it uses.
+    """
+
+    def __init__(self, checkpoint: "LazyCheckpoint") -> None:
+        self.checkpoint = checkpoint
+
+    def read_metadata(self, allow_unsafe: bool) -> Metadata:
+        path = self.checkpoint.path
+        metadata = load_metadata(path, allow_unsafe=allow_unsafe)
+        check_data_paths(path, metadata.storage_data or {})
+        return metadata
+
+    def direct(self) -> bool:
+        return self.checkpoint.io_options.direct_for(self.checkpoint.path)
+
+    def engine(self) -> Any:
+        return get_engine(self.checkpoint.io_options.read_with(self.checkpoint._direct))
+
+    def open(self, rel: str) -> Any:
+        ckpt = self.checkpoint
+        path = resolve_data_file(ckpt.path, rel)
+        file = _C.File(path, "r", ckpt._direct)
+        try:
+            check_file_extents(ckpt._extents, rel, path, file.size())
+        except CheckpointFormatError:
+            file.close()
+            raise
+        return file
+
+    def local_path(self, rel: str) -> str | None:
+        return os.path.join(str(self.checkpoint.path), rel)
+
+    def stock_reader(self) -> FileSystemReader:
+        registry = self.checkpoint._extension_registry
+        if registry is None:
+            return FileSystemReader(self.checkpoint.path)
+        return FileSystemReader(self.checkpoint.path, _extension_registry=registry)
+
+
 class LazyCheckpoint(Mapping):
     """A read-only mapping from a checkpoint's flattened keys to its tensors and objects; see the
     module docstring. Build with :func:`open_checkpoint` (``fastdcp.open``)."""
@@ -187,6 +253,7 @@ class LazyCheckpoint(Mapping):
         io_threads: int | None = None,
         read_buffer_limit_bytes: int | None = None,
         extension_registry: Any = None,
+        files: Callable[["LazyCheckpoint"], "CheckpointFiles"] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self._extension_registry = extension_registry
@@ -196,14 +263,15 @@ class LazyCheckpoint(Mapping):
             read_buffer_limit_bytes=read_buffer_limit_bytes, for_reading=True,
         )
         self.bytes_read = 0  # data-file bytes read so far (headers, tensor data, byte items)
-        self._metadata: Metadata = self._read_metadata(allow_unsafe_metadata)
+        self.files: CheckpointFiles = (files or LocalCheckpointFiles)(self)
+        self._metadata: Metadata = self.files.read_metadata(allow_unsafe_metadata)
         storage_data = self._metadata.storage_data or {}
         self._storage_data: dict[MetadataIndex, _StorageInfo] = storage_data
         self._entries: dict[str, Any] = dict(self._metadata.state_dict_metadata)
         self._planner_data = self._metadata.planner_data if isinstance(self._metadata.planner_data, dict) else {}
         self._extents = file_extents(storage_data)
-        self._direct = self._read_direct()
-        self._engine = self._read_engine()
+        self._direct = self.files.direct()
+        self._engine = self.files.engine()
         self._files: dict[str, _OpenFile] = {}
         self._blobs: dict[tuple[str, int], TensorBlobInfo | BlobFormatError] = {}  # parsed headers
         self._known = KnownBlobs(self._entries)
@@ -332,44 +400,9 @@ class LazyCheckpoint(Mapping):
 
         return sorted(self._entries, key=position)
 
-    # ---- where the bytes come from (fastdcp.objstore.lazy reads objects instead) -----------------
-
-    def _read_metadata(self, allow_unsafe: bool) -> Metadata:
-        """The checkpoint's validated ``.metadata``, every data path checked to stay inside it."""
-        metadata = load_metadata(self.path, allow_unsafe=allow_unsafe)
-        check_data_paths(self.path, metadata.storage_data or {})
-        return metadata
-
-    def _read_direct(self) -> bool:
-        return self.io_options.direct_for(self.path)
-
-    def _read_engine(self) -> Any:
-        """What reads go through: the native engine (its ``read``/``read_runs``/``box_copy``)."""
-        return get_engine(self.io_options.read_with(self._direct))
-
-    def _open_data_file(self, rel: str) -> Any:
-        """Data file ``rel`` opened for reading, its size checked against the metadata's extents."""
-        path = resolve_data_file(self.path, rel)
-        file = _C.File(path, "r", self._direct)
-        try:
-            check_file_extents(self._extents, rel, path, file.size())
-        except CheckpointFormatError:
-            file.close()
-            raise
-        return file
-
-    def _local_path(self, rel: str) -> str | None:
-        """The local path of data file ``rel`` (None where there is none: objects)."""
-        return os.path.join(str(self.path), rel)
-
-    def _new_stock_reader(self) -> FileSystemReader:
-        if self._extension_registry is None:
-            return FileSystemReader(self.path)
-        return FileSystemReader(self.path, _extension_registry=self._extension_registry)
-
     def _open(self, rel: str) -> _OpenFile:
         try:
-            opened = _OpenFile(self._open_data_file(rel), None)
+            opened = _OpenFile(self.files.open(rel), None)
         except (OSError, CheckpointFormatError) as error:
             opened = _OpenFile(None, error)
         self._files[rel] = opened
@@ -512,7 +545,7 @@ class LazyCheckpoint(Mapping):
         if tuple(blob.stride) != tuple(torch.empty(info.shape, device="meta").stride()):
             return None
         start = si.offset + blob.data_offset + blob.storage_offset * blob.itemsize
-        local = self._local_path(si.relative_path)
+        local = self.files.local_path(si.relative_path)
         return StoredRun(local, start, blob.nbytes) if local is not None else None
 
     def _read_quantized(self, info: TensorInfo, box: Box) -> torch.Tensor:
@@ -545,7 +578,7 @@ class LazyCheckpoint(Mapping):
     def _stock_read(self, items: list[ReadItem], planner: _CollectingPlanner) -> None:
         """Stock ``FileSystemReader.read_data`` for what fastdcp does not parse itself."""
         if self._stock_reader is None:
-            reader = self._new_stock_reader()
+            reader = self.files.stock_reader()
             reader.storage_data = self._storage_data
             self._stock_reader = reader
         self._stock_reader.read_data(LoadPlan(items), planner).wait()  # type: ignore[arg-type]

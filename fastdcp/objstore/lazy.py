@@ -34,28 +34,46 @@ class ObjectCheckpoint(LazyCheckpoint):
         self.location = ObjectLocation.parse(url)
         self.s3_options = options_for(self.location, s3_options, azure_options)
         kwargs.pop("direct_io", None)
-        super().__init__(self.location.url(), direct_io=False, **kwargs)
+        location, options = self.location, self.s3_options
+        super().__init__(self.location.url(), direct_io=False,
+                         files=lambda checkpoint: ObjectCheckpointFiles(checkpoint, location, options), **kwargs)
 
-    def _read_metadata(self, allow_unsafe: bool) -> Metadata:
-        return read_checkpoint_metadata(store_for(self.location, self.s3_options), self.location, METADATA_NAME,
-                                        self.s3_options, allow_unsafe)
 
-    def _read_direct(self) -> bool:
+class ObjectCheckpointFiles:
+    """A checkpoint's objects (:class:`fastdcp.load.lazy.CheckpointFiles`): ranged GETs, no
+    O_DIRECT, no local paths; stock's reads through object streams.
+
+    Args:
+        checkpoint: the lazy checkpoint; location, options: where its objects are and how to reach them.
+    """
+
+    def __init__(self, checkpoint: LazyCheckpoint, location: ObjectLocation, options: Any) -> None:
+        self.checkpoint = checkpoint
+        self.location = location
+        self.options = options
+
+    def read_metadata(self, allow_unsafe: bool) -> Metadata:
+        return read_checkpoint_metadata(store_for(self.location, self.options), self.location, METADATA_NAME,
+                                        self.options, allow_unsafe)
+
+    def direct(self) -> bool:
         return False
 
-    def _read_engine(self) -> ObjectReadEngine:
-        return ObjectReadEngine(get_engine(self.io_options), self.s3_options)
+    def engine(self) -> ObjectReadEngine:
+        return ObjectReadEngine(get_engine(self.checkpoint.io_options), self.options)
 
-    def _open_data_file(self, rel: str) -> ObjectFile:
+    def open(self, rel: str) -> ObjectFile:
         # Lengths are checked by every ranged read (a short object is named in the error).
-        return ObjectFile(store_for(self.location, self.s3_options), self.location, rel, self.s3_options)
+        return ObjectFile(store_for(self.location, self.options), self.location, rel, self.options)
 
-    def _local_path(self, rel: str) -> None:
+    def local_path(self, rel: str) -> None:
         return None  # no file to copy from inside the kernel: convert reads the bytes instead
 
-    def _new_stock_reader(self) -> FileSystemReader:
-        reader = super()._new_stock_reader()
-        reader.fs = ObjectStreams(self.location, self.s3_options)  # stock's reads, from objects
+    def stock_reader(self) -> FileSystemReader:
+        registry = self.checkpoint._extension_registry
+        reader = FileSystemReader(self.location.url()) if registry is None else \
+            FileSystemReader(self.location.url(), _extension_registry=registry)
+        reader.fs = ObjectStreams(self.location, self.options)  # stock's reads, from objects
         reader.path = self.location.url()  # stock made it a pathlib.Path, folding "s3://" into "s3:/"
         return reader
 
