@@ -214,3 +214,61 @@ def test_the_architecture_document_names_every_module():
         and str(path.relative_to(PACKAGE.parent)) not in text
     ]
     assert missing == [], f"docs/ARCHITECTURE.md does not mention {missing}"
+
+
+# The stages whose classes other parts build on only through declared interfaces (a writer's sink,
+# a reader's source, a lazy checkpoint's files), and the parts that build on them.
+STAGES_WITH_SEAMS = ("save", "load")
+BUILDING_ON_THEM = ("objstore", "tiered")
+
+
+def _classes(part: str) -> dict[str, tuple[list[str], set[str]]]:
+    """class name -> (base names, private method names) of every class in ``part``."""
+    found: dict[str, tuple[list[str], set[str]]] = {}
+    for path in sorted((PACKAGE / part).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                         for b in node.bases]
+                methods = {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                           and f.name.startswith("_") and not f.name.endswith("__")}
+                found[node.name] = (bases, methods)
+    return found
+
+
+def _private_overrides(stages: dict[str, tuple[list[str], set[str]]],
+                       builders: dict[str, tuple[list[str], set[str]]]) -> list[str]:
+    """``Class.method`` for each private method a builder class redefines from a stage class it
+    derives from (through its bases, by name)."""
+    def stage_ancestors(name: str, seen: set[str]) -> set[str]:
+        if name in seen:
+            return set()
+        seen.add(name)
+        bases = (stages.get(name) or builders.get(name) or ([], set()))[0]
+        found = {b for b in bases if b in stages}
+        for b in bases:
+            found |= stage_ancestors(b, seen)
+        return found
+
+    problems = []
+    for name, (_, methods) in sorted(builders.items()):
+        inherited = set().union(*(stages[a][1] for a in stage_ancestors(name, set()))) if methods else set()
+        problems += [f"{name}.{m}" for m in sorted(methods & inherited)]
+    return problems
+
+
+def test_no_part_overrides_a_private_method_of_the_stages_it_builds_on():
+    stages = {}
+    for part in STAGES_WITH_SEAMS:
+        stages.update(_classes(part))
+    builders = {}
+    for part in BUILDING_ON_THEM:
+        builders.update(_classes(part))
+    assert {"FastFileSystemWriter", "FastFileSystemReader", "LazyCheckpoint"} <= set(stages)
+    assert _private_overrides(stages, builders) == []
+
+
+def test_the_override_check_catches_one():
+    stages = {"Base": ([], {"_write_files", "_helper"})}
+    builders = {"Mid": (["Base"], set()), "Store": (["Mixin", "Mid"], {"_write_files", "_own"})}
+    assert _private_overrides(stages, builders) == ["Store._write_files"]
