@@ -10,17 +10,14 @@ environment, a connection string with Azurite's well-known development account
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from .s3_endpoint import _free_port, _wait_listening
+from .s3_endpoint import ProxiedServer, _free_port, _wait_listening
 
 __all__ = ["AzureEndpoint", "AzureEndpointUnavailable", "ACCOUNT", "azurite_binary"]
 
@@ -38,7 +35,7 @@ def azurite_binary() -> str | None:
     return shutil.which("azurite-blob")
 
 
-class AzureEndpoint:
+class AzureEndpoint(ProxiedServer):
     """An Azurite blob service on 127.0.0.1. ``endpoint``: its blob endpoint URL."""
 
     def __init__(self, workdir: str | os.PathLike | None = None, delay_ms: float = 0.0) -> None:
@@ -48,6 +45,10 @@ class AzureEndpoint:
         self.proxy: subprocess.Popen | None = None
         self.port = 0
         self.proxy_port = 0
+
+    @property
+    def upstream_port(self) -> int:
+        return self.port
 
     def start(self) -> "AzureEndpoint":
         binary = azurite_binary()
@@ -70,23 +71,6 @@ class AzureEndpoint:
             raise AzureEndpointUnavailable(str(error)) from error
         return self
 
-    def start_proxy(self, port: int | None = None) -> None:
-        """(Re)start the proxy with the current ``delay_ms``, on ``port`` or a free one."""
-        self.proxy_port = port or _free_port()
-        proxy_log = self.workdir / "proxy.log"
-        self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "fastdcp.bench.s3_proxy", "--listen", f"127.0.0.1:{self.proxy_port}",
-             "--upstream", f"127.0.0.1:{self.port}", "--delay-ms", str(self.delay_ms)],
-            stdout=open(proxy_log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        _wait_listening(self.proxy_port, self.proxy, proxy_log, "the proxy")
-
-    def kill_proxy(self) -> None:
-        """The proxy dies (SIGKILL) with its connections; Azurite and its blobs stay."""
-        if self.proxy is not None:
-            self.proxy.kill()
-            self.proxy.wait()
-            self.proxy = None
-
     def version(self) -> str | None:
         """Azurite's version (``azurite-blob --version``), or None."""
         binary = azurite_binary()
@@ -98,23 +82,6 @@ class AzureEndpoint:
             return None
         text = done.stdout.strip()
         return text.splitlines()[-1] if done.returncode == 0 and text else None
-
-    def stop(self) -> None:
-        for process in (self.proxy, self.server):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        self.proxy = self.server = None
-
-    def __enter__(self) -> "AzureEndpoint":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def endpoint(self) -> str:
@@ -133,19 +100,6 @@ class AzureEndpoint:
     @property
     def connection_string(self) -> str:
         return self._connection(self.endpoint)
-
-    def _control(self, path: str, method: str = "GET") -> dict:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.proxy_port}/__proxy/{path}", method=method,
-                                         data=b"" if method == "POST" else None)
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read() or b"{}")
-
-    def stats(self) -> dict[str, int]:
-        """Requests per operation (S3's names) through the proxy since the last :meth:`reset`."""
-        return dict(self._control("stats")["counts"])
-
-    def reset(self) -> None:
-        self._control("reset", "POST")
 
     def env(self) -> dict[str, str]:
         """The environment a client of this server uses."""

@@ -88,7 +88,76 @@ def default_server() -> str:
     return name
 
 
-class S3Endpoint:
+class ProxiedServer:
+    """A local server (``server``, listening on ``upstream_port``) and the proxy process in front of
+    it (:mod:`fastdcp.bench.s3_proxy`: ``delay_ms`` one way, ``rate_mib_s`` shared bandwidth, 0:
+    none; requests counted per operation). What the S3 and Azure endpoints share."""
+
+    workdir: Path
+    delay_ms: float = 0.0
+    rate_mib_s: float = 0.0
+    server: subprocess.Popen | None = None
+    proxy: subprocess.Popen | None = None
+    proxy_port: int = 0
+
+    @property
+    def upstream_port(self) -> int:
+        raise NotImplementedError
+
+    def start(self) -> "ProxiedServer":
+        raise NotImplementedError
+
+    def start_proxy(self, port: int | None = None) -> None:
+        """(Re)start the proxy with the current ``delay_ms``, on ``port`` or a free one."""
+        self.proxy_port = port or _free_port()
+        log = self.workdir / "proxy.log"
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "fastdcp.bench.s3_proxy", "--listen", f"127.0.0.1:{self.proxy_port}",
+             "--upstream", f"127.0.0.1:{self.upstream_port}", "--delay-ms", str(self.delay_ms),
+             "--rate-mib-s", str(self.rate_mib_s)],
+            stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        _wait_listening(self.proxy_port, self.proxy, log, "the proxy")
+
+    def kill_proxy(self) -> None:
+        """Cut the network: the proxy dies (SIGKILL) with its connections; the server stays."""
+        if self.proxy is not None:
+            self.proxy.kill()
+            self.proxy.wait()
+            self.proxy = None
+
+    def stop(self) -> None:
+        for process in (self.proxy, self.server):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.proxy = self.server = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _control(self, path: str, method: str = "GET") -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.proxy_port}/__proxy/{path}", method=method,
+                                         data=b"" if method == "POST" else None)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"{}")
+
+    def stats(self) -> dict[str, int]:
+        """Requests per operation (S3's names) through the proxy since the last :meth:`reset`."""
+        return dict(self._control("stats")["counts"])
+
+    def reset(self) -> None:
+        self._control("reset", "POST")
+
+
+class S3Endpoint(ProxiedServer):
     """An S3 server (``server``: ``seaweedfs`` or ``moto``, default :func:`default_server`) and the
     proxy in front of it. ``endpoint`` is the proxy's URL (what clients use); ``delay_ms`` its one-way
     delay (a round trip costs twice that); ``rate_mib_s`` the bandwidth it passes, all connections
@@ -111,6 +180,10 @@ class S3Endpoint:
         self.master_port = 0  # SeaweedFS's master (its /dir/status), once started
 
     # --- life cycle ---------------------------------------------------------------------------- #
+
+    @property
+    def upstream_port(self) -> int:
+        return self.server_port
 
     def start(self) -> "S3Endpoint":
         try:
@@ -213,42 +286,6 @@ class S3Endpoint:
                             aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
                             config=Config(retries={"max_attempts": 1}, connect_timeout=5, read_timeout=30))
 
-    def start_proxy(self, port: int | None = None) -> None:
-        """(Re)start the proxy, on ``port`` or a free one."""
-        self.proxy_port = port or _free_port()
-        log = self.workdir / "proxy.log"
-        self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "fastdcp.bench.s3_proxy", "--listen", f"127.0.0.1:{self.proxy_port}",
-             "--upstream", f"127.0.0.1:{self.server_port}", "--delay-ms", str(self.delay_ms),
-             "--rate-mib-s", str(self.rate_mib_s)],
-            stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        _wait_listening(self.proxy_port, self.proxy, log, "the S3 proxy")
-
-    def kill_proxy(self) -> None:
-        """Cut the network: the proxy dies (SIGKILL) with its connections."""
-        if self.proxy is not None:
-            self.proxy.kill()
-            self.proxy.wait()
-            self.proxy = None
-
-    def stop(self) -> None:
-        for process in (self.proxy, self.server):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        self.proxy = self.server = None
-
-    def __enter__(self) -> "S3Endpoint":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # --- use ----------------------------------------------------------------------------------- #
 
     @property
@@ -271,24 +308,11 @@ class S3Endpoint:
         with urllib.request.urlopen(request, timeout=30) as response:
             response.read()
 
-    def _control(self, path: str, method: str = "GET") -> dict:
-        request = urllib.request.Request(f"{self.endpoint}/__proxy/{path}", method=method,
-                                         data=b"" if method == "POST" else None)
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read() or b"{}")
-
-    def stats(self) -> dict[str, int]:
-        """Requests per S3 operation since the last :meth:`reset`."""
-        return dict(self._control("stats")["counts"])
-
     def traffic(self) -> dict[str, int]:
         """Bytes through the proxy since the last :meth:`reset`: ``up`` (requests, to the server)
         and ``down`` (responses, headers included)."""
         stats = self._control("stats")
         return {"up": int(stats["bytes_up"]), "down": int(stats["bytes_down"])}
-
-    def reset(self) -> None:
-        self._control("reset", "POST")
 
     @contextlib.contextmanager
     def exported(self) -> Iterator["S3Endpoint"]:

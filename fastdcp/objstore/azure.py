@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from .errors import ObjectAccessError, ObjectStoreError, require_obstore
 from .location import ObjectLocation
+from .settings import check_transfer_fields, client_settings
 
 __all__ = ["AzureOptions", "AZURE_SCHEMES", "azure_store", "AZURE_CREDENTIAL_HELP"]
 
@@ -70,17 +70,7 @@ class AzureOptions:
     extra_config: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_retries, int) or isinstance(self.max_retries, bool) or self.max_retries < 0:
-            raise ValueError(f"AzureOptions.max_retries must be an int >= 0, got {self.max_retries!r}")
-        for name in ("part_bytes", "concurrency"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"AzureOptions.{name} must be a positive int, got {value!r}")
-        if self.part_bytes < (1 << 20):
-            raise ValueError(f"AzureOptions.part_bytes must be at least 1 MiB, got {self.part_bytes}")
-        for name in ("retry_timeout_s", "request_timeout_s", "connect_timeout_s"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"AzureOptions.{name} must be positive, got {getattr(self, name)!r}")
+        check_transfer_fields(self, 1 << 20, "1 MiB")
 
     def _connection(self) -> dict[str, str]:
         text = self.connection_string or os.environ.get("AZURE_STORAGE_CONNECTION_STRING") or ""
@@ -151,18 +141,7 @@ def azure_store(location: ObjectLocation, options: AzureOptions) -> Any:
             raise ObjectStoreError(f"cannot set up the Azure client for {location.url()}: {error}") from error
         config: dict[str, Any] = {**dict(options.extra_config), **settings}
         endpoint = settings.get("endpoint")
-        client_options: dict[str, Any] = {
-            "timeout": timedelta(seconds=options.request_timeout_s),
-            "connect_timeout": timedelta(seconds=options.connect_timeout_s),
-            "pool_max_idle_per_host": str(max(16, options.concurrency)),
-        }
-        if endpoint and endpoint.startswith("http://"):
-            client_options["allow_http"] = True
-        retry_config = {
-            "max_retries": options.max_retries,
-            "retry_timeout": timedelta(seconds=options.retry_timeout_s),
-            "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2},
-        }
+        client_options, retry_config = client_settings(options, endpoint)
         try:
             store = AzureStore(location.bucket, config=config, client_options=client_options, retry_config=retry_config)
         except obstore.exceptions.BaseError as error:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from .azure import AZURE_SCHEMES, AzureOptions, azure_store
 from .errors import (CREDENTIAL_HELP, BucketNotFoundError, _first_line, ObjectAccessError, ObjectExistsError, ObjectNotFoundError,
                      ObjectStoreError, object_error, require_obstore)
 from .location import ObjectLocation
+from .settings import check_transfer_fields, client_settings
 
 __all__ = [
     "S3Options",
@@ -71,19 +71,7 @@ class S3Options:
     extra_config: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        for name in ("max_retries",):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"S3Options.{name} must be an int >= 0, got {value!r}")
-        for name in ("part_bytes", "concurrency"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"S3Options.{name} must be a positive int, got {value!r}")
-        if self.part_bytes < (5 << 20):
-            raise ValueError(f"S3Options.part_bytes must be at least 5 MiB (S3's smallest part), got {self.part_bytes}")
-        for name in ("retry_timeout_s", "request_timeout_s", "connect_timeout_s"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"S3Options.{name} must be positive, got {getattr(self, name)!r}")
+        check_transfer_fields(self, 5 << 20, "5 MiB (S3's smallest part)")
 
     def endpoint(self) -> str | None:
         """The endpoint to use: explicit, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``."""
@@ -235,18 +223,7 @@ def _s3_store(location: ObjectLocation, options: S3Options) -> Any:
             value = getattr(options, name)
             if value:
                 config[name] = value
-        client_options: dict[str, Any] = {
-            "timeout": timedelta(seconds=options.request_timeout_s),
-            "connect_timeout": timedelta(seconds=options.connect_timeout_s),
-            "pool_max_idle_per_host": str(max(16, options.concurrency)),
-        }
-        if endpoint and endpoint.startswith("http://"):
-            client_options["allow_http"] = True
-        retry_config = {
-            "max_retries": options.max_retries,
-            "retry_timeout": timedelta(seconds=options.retry_timeout_s),
-            "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2},
-        }
+        client_options, retry_config = client_settings(options, endpoint)
         provider = _credential_provider(location, options)
         kwargs: dict[str, Any] = dict(config=config, client_options=client_options, retry_config=retry_config)
         if provider is not None:

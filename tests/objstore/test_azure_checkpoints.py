@@ -188,3 +188,26 @@ def test_gc_lists_and_removes_a_data_blob_no_metadata_names(container, azure_env
     loaded = {"w": torch.zeros(256, 4)}
     dcp.load(loaded, storage_reader=FastAzureReader(url), no_dist=True)
     assert torch.equal(loaded["w"], sd["w"])
+
+
+def test_azure_options_read_the_connection_string_and_the_account_of_an_abfs_url(monkeypatch):
+    from fastdcp.objstore.location import ObjectLocation
+
+    for name in [n for n in __import__("os").environ if n.startswith("AZURE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
+                       "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=a2V5PQ==;EndpointSuffix=core.windows.net")
+    settings = AzureOptions().settings()
+    assert settings == {"account_name": "acct", "account_key": "a2V5PQ=="}  # a key ending in '=' kept whole
+    assert AzureOptions(account_name="other", sas_token="?sv=1").settings() == {"account_name": "other",
+                                                                                 "sas_key": "sv=1"}
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+    location = ObjectLocation.parse("abfss://box@mine.dfs.core.windows.net/run/step1")
+    assert (location.bucket, location.host, location.key("x")) == ("box", "mine.dfs.core.windows.net", "run/step1/x")
+    assert location.url("x") == "abfss://box@mine.dfs.core.windows.net/run/step1/x"
+    assert AzureOptions().settings(location) == {"account_name": "mine"}
+    with pytest.raises(ValueError, match="AzureOptions.part_bytes must be at least 1 MiB"):
+        AzureOptions(part_bytes=1000)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "AccountName")
+    with pytest.raises(ValueError, match="is not Key=value"):
+        AzureOptions().settings()
