@@ -73,7 +73,8 @@ from torch.distributed.checkpoint import metadata as _md
 from .._native import _C
 from .chunk_table import NO_CHECKSUM, ChunkTable, RankRows, StorageColumns
 from .metadata import CheckpointFormatError, shown, unpickle_restricted
-from .metadata_emit import CHUNK_INDEX_ATTRIBUTE, _tensor_view
+from .metadata_emit import CHUNK_INDEX_ATTRIBUTE
+from .pickle_stream import tensor_view as _tensor_view
 
 __all__ = [
     "EDGE_BYTES",
