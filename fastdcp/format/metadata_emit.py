@@ -30,7 +30,7 @@ to a ``Metadata`` equal to ``table_to_metadata(table, planner_data, storage_meta
 attribute for attribute (equal objects may be one shared object, as in stock's own pickles of a
 plan), plus one attribute when a chunk index is named: ``fastdcp_chunk_index``
 (:data:`CHUNK_INDEX_ATTRIBUTE`), the first key of the Metadata's state, so that it lies in the
-file's first few hundred bytes (:func:`fastdcp.format.chunk_index.find_chunk_index_name`).
+file's first few hundred bytes (:func:`fastdcp.format.index_link.find_chunk_index_name`).
 Stock ignores the extra attribute (``Metadata.__eq__`` compares the dataclass fields only).
 """
 

@@ -27,7 +27,7 @@ import chunk_table_cases as T
 from fastdcp.format import metadata_emit as ME
 from fastdcp.format import metadata_records as MR
 from fastdcp.format import pickle_stream as PS
-from fastdcp.format.chunk_index import find_chunk_index_name
+from fastdcp.format.index_link import find_chunk_index_name
 from fastdcp.format.chunk_table import NO_CHECKSUM, ChunkTable, StorageColumns, table_to_metadata
 from fastdcp.format.metadata import CheckpointFormatError, parse_metadata
 from fastdcp.format.metadata_emit import CHUNK_INDEX_ATTRIBUTE, write_metadata
