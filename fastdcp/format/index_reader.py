@@ -8,7 +8,6 @@ checksums 32-bit or absent). Every failure is a
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +38,7 @@ from .index_layout import (
 )
 from .metadata import CheckpointFormatError, shown, unpickle_restricted
 from .pickle_stream import tensor_view
+from .pickles import load_pickle
 from .sources import PositionalSource, as_source
 
 __all__ = ["ChunkIndex", "read_chunk_index", "check_objects", "check_columns", "unpickle_objects"]
@@ -201,19 +201,19 @@ def read_chunk_index(data: Any, where: str, *, allow_unsafe: bool = False) -> Ch
 
 
 def unpickle_objects(data: bytes, what: str, fail: Any, where: str, allow_unsafe: bool) -> Any:
-    """The index's pickled objects: restricted unpickling (errors name ``where``), or plain
-    :mod:`pickle` when ``allow_unsafe`` (errors through ``fail``)."""
-    if not allow_unsafe:
+    """The index's pickled objects: restricted unpickling as ``.metadata``'s (errors name ``where``),
+    or plain :mod:`pickle` when ``allow_unsafe`` (errors through ``fail``)."""
+
+    def restricted(data: bytes) -> Any:
         try:
             return unpickle_restricted(data, where)
         except CheckpointFormatError as e:
             if where == what:  # (a section's shared objects: the message gets the index's name)
                 raise fail(str(e)) from None
             raise
-    try:
-        return pickle.loads(data)
-    except Exception as e:
-        raise fail(f"unreadable {what} ({type(e).__name__}: {str(e)[:200]})") from e
+
+    return load_pickle(data, allow_unsafe=allow_unsafe, restricted=restricted, fail=fail,
+                       unreadable=f"unreadable {what}")
 
 
 def check_objects(fail: Any, entries: int, fqns: Any, properties: Any, sizes: Any, files: Any, has_storage: bool,
