@@ -16,7 +16,13 @@ import torch
 from .checksums import crc32c
 from .chunk_table import ChunkTable
 
-__all__ = ["EDGE_BYTES", "SECTION_EDGE_BYTES", "V2Header", "edge_bytes_for", "has_rank_sections", "parse_v2_header"]
+__all__ = [
+    "EDGE_BYTES", "SECTION_EDGE_BYTES", "MAGIC", "TRAILER_MAGIC", "FORMAT_VERSION", "SECTIONS_VERSION", "HEADER_SIZE",
+    "HEADER", "TRAILER", "HEADER_V2", "HEADER_CRC_AT", "FLAG_STORAGE", "DIRECTORY_ENTRY", "SECTION_MAGIC",
+    "NARROW_SECTION_MAGIC", "SECTION_HEADER", "SECTION_FIXED", "WIDE_FIELDS", "OBJECT_KEYS", "COMMON_KEYS",
+    "MAX_WIDTH", "MAX_FILE_OFFSET", "CHECK_ROWS", "V2Header", "columns_of", "edge_bytes_for", "element_size",
+    "entry_bounds", "from_le", "has_rank_sections", "pad", "parse_v2_header", "to_le",
+]
 
 # The layout (all integers little-endian):
 #

@@ -149,18 +149,13 @@ def _gather_into(dest: torch.Tensor, source: torch.Tensor, rows: torch.Tensor) -
 
 class SectionWriter:
     """Version 2's parts after the table: the shared objects (zlib-compressed pickle of what a
-    rank needs besides its rows), one section per rank, the directory.
-
-    A section holds the rows rank ``r`` planned in the save (``table.rank_rows``) but those of
-    chunks with no elements at their tensor's edge (:func:`readable_rank_rows`), ascending, as
-    records ``entry, ordinal (the row's position in its entry), file, byte offset, byte length,
-    checksum, offsets[width], lengths[width]``, where ``file`` is a checkpoint-wide file number
-    (int64, or narrow: :func:`fits_narrow_records`, :meth:`_parts`); then the numbers and names
-    of the files it references.
-
-    Ranks are handled in blocks of about ``_SECTION_BLOCK_ROWS`` rows (whole ranks, in order),
-    each with tensor operations and batched native calls whose number does not grow with the
-    block's ranks (native calls per rank would cost more than the whole table at many ranks)."""
+    rank needs besides its rows), one section per rank, the directory. A section holds the rows
+    rank ``r`` planned (``table.rank_rows``) but unreadable ones (:func:`readable_rank_rows`),
+    ascending, as records ``entry, ordinal (the row's position in its entry), file, byte offset,
+    byte length, checksum, offsets[width], lengths[width]`` (``file`` a checkpoint-wide number;
+    int64, or narrow: :meth:`_parts`), then the numbers and names of its files. Ranks are handled
+    in blocks of about ``_SECTION_BLOCK_ROWS`` rows (whole ranks) with tensor operations and
+    batched native calls whose number does not grow with the block's ranks."""
 
     def __init__(self, table: ChunkTable, width: int, narrow: bool, facts: dict[str, Any]) -> None:
         """``narrow``: records in the narrow layout (:func:`fits_narrow_records` of ``table``).

@@ -1,37 +1,13 @@
 """Writes a checkpoint's ``.metadata`` straight from a :class:`~fastdcp.format.chunk_table.ChunkTable`,
-as a pickle stock DCP reads (``pickle.load``) into the very objects it would have pickled itself.
+as a pickle stock DCP reads (``pickle.load``) into the very objects it would have pickled itself,
+without building them (:func:`write_metadata`): the per-chunk parts as fixed-size records filled
+with tensor operations (:mod:`fastdcp.format.metadata_records`), streamed in frames
+(:mod:`fastdcp.format.pickle_stream`); equal objects written once and referenced (see below).
 
-Stock DCP builds ``Metadata`` as objects (a ``ChunkStorageMetadata`` with two ``torch.Size``, a
-``MetadataIndex`` and a ``_StorageInfo`` per chunk) and pickles them: at 4,096 ranks of a 7B state
-that is ~4.9 million chunks, 75 s and ~4 GB on the coordinator. :func:`write_metadata` emits the
-pickle's opcodes itself, streaming frames of a few MB:
-
-* the per-chunk parts (a chunk of ``state_dict_metadata[fqn].chunks``, and the
-  ``MetadataIndex`` -> ``_StorageInfo`` pair of ``storage_data``) are fixed-size byte records:
-  the rows are taken ``_BLOCK_ROWS`` at a time (a window), and each row shape in a window (its
-  ndim, checksum presence and which of its parts are shared objects) gets one template, filled
-  for all of its rows with tensor operations (each integer in the narrowest opcode that holds
-  every value of its column in the group: ``BININT1``/``BININT2``/``BININT``, else ``LONG1`` of
-  5 to 8 bytes);
-* equal objects are written once and referenced with ``BINGET``/``LONG_BINGET`` from then on, as
-  stock's pickler does with the objects a plan shares: class globals, field names, fqns and file
-  names; one ``TensorProperties`` per distinct (dtype, layout, requires_grad, memory_format,
-  pin_memory); one ``torch.Size`` per repeated tensor size; and, for the chunk of a single-chunk
-  entry (many small tensors), all-zero offsets (one ``torch.Size`` per ndim, also the storage
-  key's offset) and a chunk size equal to its tensor's size (the tensor's own ``torch.Size``).
-  The chunks of entries with more chunks are not memoised (the memo of whoever unpickles the file
-  stays small, and their records stay one template per window);
-* ``planner_data``, ``storage_meta`` and ``version`` are pickled by a :class:`pickle.Pickler` that
-  shares the file's memo (so they reference the fqn strings and ``TensorProperties`` parts already
-  written) and spliced in.
-
-The result unpickles (stock ``pickle.load``, or :func:`fastdcp.format.metadata.parse_metadata`)
-to a ``Metadata`` equal to ``table_to_metadata(table, planner_data, storage_meta, version)``,
-attribute for attribute (equal objects may be one shared object, as in stock's own pickles of a
-plan), plus one attribute when a chunk index is named: ``fastdcp_chunk_index``
-(:data:`CHUNK_INDEX_ATTRIBUTE`), the first key of the Metadata's state, so that it lies in the
-file's first few hundred bytes (:func:`fastdcp.format.index_link.find_chunk_index_name`).
-Stock ignores the extra attribute (``Metadata.__eq__`` compares the dataclass fields only).
+The result unpickles to a ``Metadata`` equal to ``table_to_metadata(table, ...)`` attribute for
+attribute, plus ``fastdcp_chunk_index`` (:data:`CHUNK_INDEX_ATTRIBUTE`) when an index is named:
+the first key of the Metadata's state, in the file's first bytes
+(:func:`fastdcp.format.index_link.find_chunk_index_name`); stock ignores it.
 """
 
 from __future__ import annotations
@@ -74,6 +50,17 @@ _STACK_GLOBAL = pickle.STACK_GLOBAL
 # ---------------------------------------------------------------------------------------------
 # Objects written once and referenced
 # ---------------------------------------------------------------------------------------------
+#
+# As stock's pickler does with the objects a plan shares, equal objects are written once and
+# referenced with BINGET/LONG_BINGET from then on: class globals, field names, fqns and file names;
+# one TensorProperties per distinct (dtype, layout, requires_grad, memory_format, pin_memory); one
+# torch.Size per repeated tensor size; and, for the chunk of an entry with at most _FEW_ROWS
+# chunks (many small tensors), all-zero offsets (one torch.Size per ndim, also the storage key's
+# offset) and a chunk size equal to its tensor's size (the tensor's own torch.Size). The chunks of
+# entries with more chunks are not memoised (the memo of whoever unpickles the file stays small,
+# and their records stay one template per window). planner_data, storage_meta and version are
+# pickled by a pickle.Pickler that shares the file's memo (so they reference the fqn strings and
+# TensorProperties parts already written) and spliced in.
 
 
 class _Shared:

@@ -68,10 +68,9 @@ class OpcodeRules:
         check_frames: refuse a FRAME longer than the data after it.
         trailing: bytes after STOP are ignored (else refused).
         error: the exception class a refusal raises.
-        messages: per refusal, its message, formatted with ``op`` (the opcode), ``op_bytes`` (it as
-            bytes), ``at`` (a byte position), ``index``, ``length``, ``follow`` and ``n`` (the
-            pickle's size): ``invalid`` (no such opcode), ``refused``, ``memo``, ``memo_text``
-            (not a number), ``frame``, ``line``, ``length``, ``truncated`` (no STOP), ``trailing``.
+        messages: per refusal (``invalid``: no such opcode, ``refused``, ``memo``, ``memo_text``,
+            ``frame``, ``line``, ``length``, ``truncated``: no STOP, ``trailing``) its text, formatted
+            with ``op``, ``op_bytes``, ``at`` (a position), ``index``, ``length``, ``follow``, ``n``.
     """
 
     def __init__(self, *, allowed: frozenset[int], memo_checked: frozenset[int], max_line: int, check_frames: bool,
