@@ -1,6 +1,7 @@
 """The package layout docs/ARCHITECTURE.md describes: one folder per stage, dependencies pointing
-one way, no import cycles. Read from the source (every import statement, including the ones
-inside functions), so nothing has to be imported to check it."""
+one way, no import cycles, ``format/`` free of file I/O, and no library module longer than
+MAX_LINES. Read from the source (every import statement, including the ones inside functions),
+so nothing has to be imported to check it."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ TOP_ALLOWED = {
     "default_storage": {"compat", "io", "save", "load", "objstore"},
 }
 TOP_LEVEL = {"fastdcp", "fastdcp.__main__", "fastdcp._C"}
+# The longest a module of the library may be (the benchmark suite, bench/, is not the library).
+MAX_LINES = 800
+# Calls that read or inspect a file: none of them in format/, which gets bytes or a
+# PositionalSource (fastdcp/format/sources.py) that io/ implements. ``.fileno()`` on anything.
+FILE_IO_CALLS = {("builtins", "open"), ("os", "open"), ("os", "pread"), ("os", "preadv"), ("os", "read"),
+                 ("os", "fstat"), ("os", "stat"), ("io", "open")}
 
 
 def _module_name(path: Path) -> str:
@@ -145,7 +152,7 @@ def test_the_graph_sees_every_module_and_its_imports():
     assert "fastdcp.format.blob" in graph["fastdcp.save.writer"]
     assert "fastdcp.load.gpu_placement" in graph["fastdcp.load.placement"]
     assert "fastdcp._native" in graph["fastdcp.io.engine"]
-    assert "fastdcp._native" in graph["fastdcp.format.chunk_index"]
+    assert "fastdcp._native" in graph["fastdcp.format.checksums"]
     assert "fastdcp._C" in graph["fastdcp._native"]
     assert "fastdcp.default_storage" in graph["fastdcp"]
 
@@ -272,3 +279,71 @@ def test_the_override_check_catches_one():
     stages = {"Base": ([], {"_write_files", "_helper"})}
     builders = {"Mid": (["Base"], set()), "Store": (["Mixin", "Mid"], {"_write_files", "_own"})}
     assert _private_overrides(stages, builders) == ["Store._write_files"]
+
+
+def _long_modules(modules: dict[str, Path]) -> list[str]:
+    """``name (n lines)`` of every module outside the benchmark suite longer than MAX_LINES."""
+    found = []
+    for name, path in modules.items():
+        if name == "fastdcp.bench" or name.startswith("fastdcp.bench."):
+            continue
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            found.append(f"{name} ({lines} lines)")
+    return sorted(found)
+
+
+def _file_io_calls(source: str, module: str) -> list[str]:
+    """``module:line call`` of every call in ``source`` that reads or inspects a file
+    (FILE_IO_CALLS, through ``import os``, ``import io as x`` or ``from os import pread``; and
+    ``.fileno()``)."""
+    tree = ast.parse(source)
+    modules: dict[str, str] = {}  # local name -> "os" / "io"
+    names: dict[str, tuple[str, str]] = {"open": ("builtins", "open")}  # local name -> (module, name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update({a.asname or a.name: a.name for a in node.names if a.name in ("os", "io")})
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module in ("os", "io"):
+            names.update({a.asname or a.name: (node.module, a.name) for a in node.names})
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func, call = node.func, None
+        if isinstance(func, ast.Name) and names.get(func.id) in FILE_IO_CALLS:
+            call = ".".join(names[func.id]).removeprefix("builtins.")
+        elif isinstance(func, ast.Attribute):
+            if func.attr == "fileno":
+                call = ".fileno()"
+            elif isinstance(func.value, ast.Name) and (modules.get(func.value.id), func.attr) in FILE_IO_CALLS:
+                call = f"{modules[func.value.id]}.{func.attr}"
+        if call is not None:
+            found.append((node.lineno, f"{module}:{node.lineno} {call}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_the_size_and_file_io_checks_catch_what_they_look_for(tmp_path):
+    long, short, bench = tmp_path / "long.py", tmp_path / "short.py", tmp_path / "bench.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    short.write_text("x = 1\n" * MAX_LINES)
+    bench.write_text("x = 1\n" * (MAX_LINES + 1))
+    assert _long_modules({"fastdcp.format.long": long, "fastdcp.format.short": short,
+                          "fastdcp.bench.suite": bench}) == [f"fastdcp.format.long ({MAX_LINES + 1} lines)"]
+    source = ("import os, io as stream\nfrom os import pread as p, path\n"
+              "open('x')\nos.fstat(3)\nstream.open('y')\np(1, 2, 3)\nf.fileno()\n"
+              "os.path.join('a', 'b')\npath.exists('c')\nos.preadv(1, [], 0)\nos.stat('d')\nos.read(1, 2)\n")
+    assert _file_io_calls(source, "m") == ["m:3 open", "m:4 os.fstat", "m:5 io.open", "m:6 os.pread", "m:7 .fileno()",
+                                           "m:10 os.preadv", "m:11 os.stat", "m:12 os.read"]
+
+
+def test_no_library_module_is_longer_than_the_limit():
+    assert _long_modules(_modules()) == [], f"modules over {MAX_LINES} lines: split them by concept"
+
+
+def test_format_does_no_file_io():
+    found = []
+    for name, path in _modules().items():
+        if _part(name) == "format":
+            found += _file_io_calls(path.read_text(), name)
+    assert found == [], ("format/ is pure: it reads bytes or a PositionalSource (format/sources.py), "
+                         f"io/ touches the files; found {found}")

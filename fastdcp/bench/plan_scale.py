@@ -1031,7 +1031,7 @@ def _load_plan_of(r: int) -> tuple[int, bytes, int | None]:
 
 def _chunk_index_size(checkpoint: str) -> int | None:
     """The size of the chunk index the checkpoint's ``.metadata`` names (None: it names none)."""
-    from fastdcp.format.chunk_index import find_chunk_index_name
+    from fastdcp.format.index_link import find_chunk_index_name
 
     with open(os.path.join(checkpoint, ".metadata"), "rb") as f:
         name = find_chunk_index_name(f.read(4096))
@@ -1043,7 +1043,7 @@ def _object_sizes(url: str) -> tuple[int, int | None]:
     names none), by HEAD requests."""
     import obstore
 
-    from fastdcp.format.chunk_index import find_chunk_index_name
+    from fastdcp.format.index_link import find_chunk_index_name
     from fastdcp.objstore.client import S3Options, store_for
     from fastdcp.objstore.location import ObjectLocation
 

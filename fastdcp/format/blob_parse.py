@@ -1,20 +1,18 @@
 """Finding the tensor inside a ``torch.save`` zip blob without ``torch.load`` or :mod:`zipfile`.
 
 :func:`parse_tensor_blob` walks EOCD -> central directory -> local headers and unpickles
-``data.pkl`` with a restricted unpickler that builds nothing (stand-ins for torch's rebuild
-functions and storages), returning where the storage bytes are and how to view them (dtype, size,
-stride, storage offset), so a reader can ``pread`` only the bytes it needs. Every length, offset
-and count comes from untrusted bytes and is checked before it is used; every failure is a
-:class:`~fastdcp.format.blob.BlobFormatError` naming the file. The zip records are the ones
-:mod:`fastdcp.format.blob` emits (and ``torch.save`` writes).
+``data.pkl`` with a restricted unpickler (:mod:`fastdcp.format.pickles`) that builds nothing
+(stand-ins for torch's rebuild functions and storages), returning where the storage bytes are and
+how to view them (dtype, size, stride, storage offset), so a reader can ``pread`` only the bytes
+it needs. Every length, offset and count comes from untrusted bytes and is checked before it is
+used; every failure is a :class:`~fastdcp.format.blob.BlobFormatError` naming the file. The zip
+records are the ones :mod:`fastdcp.format.blob` emits (and ``torch.save`` writes).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import io
-import pickle
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -39,6 +37,7 @@ from .blob import (
     _ZIP64_LOCATOR,
     BlobFormatError,
 )
+from .pickles import OpcodeRules, RestrictedUnpickler, opcode_codes, scan_opcodes
 
 __all__ = ["TensorBlobInfo", "parse_tensor_blob"]
 
@@ -242,126 +241,72 @@ _ALLOWED_GLOBALS.update(
 )
 
 
-# Opcodes a tensor's data.pkl can contain (protocol 2 as torch.save writes it, plus the
-# protocol-4 framing/memo forms, for pickle_protocol=4 writers), with the size of their
-# fixed-length argument. Everything else -- INST/OBJ/NEWOBJ, EXT*, BUILD, text-number forms,
-# BINBYTES -- is refused before the C unpickler sees it: not needed for a tensor, and some
-# can make the C unpickler allocate gigabytes from a few bytes (a LONG_BINPUT index sizes the
-# memo table; BINBYTES preallocates its declared length).
-_OPCODE_ARG_BYTES: dict[int, int] = {
-    0x80: 1,  # PROTO
-    0x95: 8,  # FRAME
-    ord("q"): 1,  # BINPUT
-    ord("r"): 4,  # LONG_BINPUT
-    ord("h"): 1,  # BINGET
-    ord("j"): 4,  # LONG_BINGET
-    0x94: 0,  # MEMOIZE
-    ord("("): 0,  # MARK
-    ord("t"): 0,  # TUPLE
-    0x85: 0,  # TUPLE1
-    0x86: 0,  # TUPLE2
-    0x87: 0,  # TUPLE3
-    ord(")"): 0,  # EMPTY_TUPLE
-    ord("}"): 0,  # EMPTY_DICT
-    ord("s"): 0,  # SETITEM
-    ord("u"): 0,  # SETITEMS
-    ord("]"): 0,  # EMPTY_LIST
-    ord("a"): 0,  # APPEND
-    ord("e"): 0,  # APPENDS
-    ord("K"): 1,  # BININT1
-    ord("M"): 2,  # BININT2
-    ord("J"): 4,  # BININT
-    ord("G"): 8,  # BINFLOAT
-    ord("N"): 0,  # NONE
-    0x88: 0,  # NEWTRUE
-    0x89: 0,  # NEWFALSE
-    ord("Q"): 0,  # BINPERSID
-    ord("R"): 0,  # REDUCE
-    0x93: 0,  # STACK_GLOBAL (resolved through find_class)
-    ord("."): 0,  # STOP
-}
-_OP_GLOBAL = ord("c")
-_OP_BINUNICODE = ord("X")
-_OP_SHORT_BINUNICODE = 0x8C
-_OP_LONG1 = 0x8A
-_OP_STOP = ord(".")
-_MEMO_OPS = {ord("q"): "<B", ord("r"): "<I", ord("h"): "<B", ord("j"): "<I"}
-_MAX_GLOBAL_LINE = 256
+# Opcodes a tensor's data.pkl can contain: protocol 2 as torch.save writes it, plus the
+# protocol-4 framing/memo forms, for pickle_protocol=4 writers. Everything else -- INST/OBJ/NEWOBJ,
+# EXT*, BUILD, text-number forms, BINBYTES -- is refused before the C unpickler sees it: not needed
+# for a tensor, and some can make the C unpickler allocate gigabytes from a few bytes (a
+# LONG_BINPUT index sizes the memo table; BINBYTES preallocates its declared length). Memo indices
+# are checked against the pickle's size (a real pickle never needs more entries than it has bytes).
+_TRUNCATED = "data.pkl is truncated (no STOP opcode)"
+_NOT_ALLOWED = "data.pkl uses pickle opcode {op_bytes!r}, not allowed in a tensor pickle"
+_OPCODE_RULES = OpcodeRules(
+    allowed=opcode_codes((
+        "PROTO", "FRAME", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", "MEMOIZE", "MARK", "TUPLE", "TUPLE1",
+        "TUPLE2", "TUPLE3", "EMPTY_TUPLE", "EMPTY_DICT", "SETITEM", "SETITEMS", "EMPTY_LIST", "APPEND", "APPENDS",
+        "BININT1", "BININT2", "BININT", "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "BINPERSID", "REDUCE",
+        "STACK_GLOBAL", "STOP", "GLOBAL", "BINUNICODE", "SHORT_BINUNICODE", "LONG1",
+    )),
+    memo_checked=opcode_codes(("BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET")),
+    max_line=256,
+    check_frames=False,
+    trailing=False,
+    error=_PickleReject,
+    messages={
+        "invalid": _NOT_ALLOWED,
+        "refused": _NOT_ALLOWED,
+        "memo": "data.pkl memo index out of range",
+        "line": "malformed GLOBAL opcode in data.pkl",
+        "length": _TRUNCATED,
+        "truncated": _TRUNCATED,
+        "trailing": "data.pkl has trailing bytes after STOP",
+    },
+)
 
 
-def _check_opcodes(pkl: bytes) -> None:
-    """Refuse a pickle with opcodes outside the allow-list or with out-of-range arguments."""
-    n = len(pkl)
-    p = 0
-    while p < n:
-        op = pkl[p]
-        p += 1
-        if op == _OP_GLOBAL:  # two newline-terminated lines: module, name
-            for _ in range(2):
-                q = pkl.find(b"\n", p, p + _MAX_GLOBAL_LINE)
-                if q < 0:
-                    raise _PickleReject("malformed GLOBAL opcode in data.pkl")
-                p = q + 1
-            continue
-        if op == _OP_BINUNICODE:
-            if p + 4 > n:
-                break
-            p += 4 + struct.unpack_from("<I", pkl, p)[0]
-        elif op == _OP_SHORT_BINUNICODE or op == _OP_LONG1:
-            if p + 1 > n:
-                break
-            p += 1 + pkl[p]
-        else:
-            arg = _OPCODE_ARG_BYTES.get(op)
-            if arg is None:
-                raise _PickleReject(f"data.pkl uses pickle opcode {bytes([op])!r}, not allowed in a tensor pickle")
-            if op in _MEMO_OPS and p + arg <= n:
-                # Memo indices index a table the unpickler sizes by the largest index seen; a
-                # real pickle never needs more entries than it has bytes.
-                if struct.unpack_from(_MEMO_OPS[op], pkl, p)[0] >= n:
-                    raise _PickleReject("data.pkl memo index out of range")
-            p += arg
-            if op == _OP_STOP:
-                if p != n:
-                    raise _PickleReject("data.pkl has trailing bytes after STOP")
-                return
-    raise _PickleReject("data.pkl is truncated (no STOP opcode)")
+def _find_global(module: str, name: str) -> Any:
+    """The inert stand-in of an allow-listed global (``GLOBAL`` and ``STACK_GLOBAL`` reach every
+    callable through here; INST and EXT* are refused by the opcode scan)."""
+    try:
+        return _ALLOWED_GLOBALS[(module, name)]
+    except (KeyError, TypeError):
+        what = f"{str(module)[:100]}.{str(name)[:100]}"
+        raise _PickleReject(f"data.pkl references disallowed global {what}") from None
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only the allow-listed globals, each to an inert stand-in; counts storages.
+def _storage_ref(storages: list[_StorageRef], pid: Any) -> _StorageRef:
+    """The inert reference a storage persistent id stands for, recorded in ``storages``."""
+    if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
+        raise _PickleReject("data.pkl has a persistent id that is not a storage")
+    _, storage_type, key, location, numel = pid
+    if type(storage_type) is not _StorageTypeRef:
+        raise _PickleReject("storage persistent id names an unknown storage type")
+    if type(key) is not str or type(location) is not str:
+        raise _PickleReject("storage persistent id has a non-string key or location")
+    if not _is_int(numel) or numel < 0:
+        raise _PickleReject("storage persistent id has an invalid size")
+    if not key.isascii() or not key.isdigit():
+        raise _PickleReject(f"storage key {key[:40]!r} is not a decimal number")
+    ref = _StorageRef(storage_type, key, numel)
+    storages.append(ref)
+    return ref
 
-    Precondition: the pickle passed _check_opcodes. Every opcode that can reach a callable
-    (GLOBAL, STACK_GLOBAL; INST and EXT* are filtered out before) goes through find_class, so
-    nothing outside the allow-list can be called.
-    """
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
-        self.storages: list[_StorageRef] = []
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED_GLOBALS[(module, name)]
-        except (KeyError, TypeError):
-            what = f"{str(module)[:100]}.{str(name)[:100]}"
-            raise _PickleReject(f"data.pkl references disallowed global {what}") from None
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
-            raise _PickleReject("data.pkl has a persistent id that is not a storage")
-        _, storage_type, key, location, numel = pid
-        if type(storage_type) is not _StorageTypeRef:
-            raise _PickleReject("storage persistent id names an unknown storage type")
-        if type(key) is not str or type(location) is not str:
-            raise _PickleReject("storage persistent id has a non-string key or location")
-        if not _is_int(numel) or numel < 0:
-            raise _PickleReject("storage persistent id has an invalid size")
-        if not key.isascii() or not key.isdigit():
-            raise _PickleReject(f"storage key {key[:40]!r} is not a decimal number")
-        ref = _StorageRef(storage_type, key, numel)
-        self.storages.append(ref)
-        return ref
+def _unpickler(pkl: bytes) -> tuple[RestrictedUnpickler, list[_StorageRef]]:
+    """An unpickler of ``pkl`` (scanned by ``_OPCODE_RULES`` first) that resolves only the
+    allow-listed globals, each to an inert stand-in, and the storages its persistent ids name
+    (listed in the second element)."""
+    storages: list[_StorageRef] = []
+    return RestrictedUnpickler(pkl, _find_global, functools.partial(_storage_ref, storages)), storages
 
 
 @functools.lru_cache(maxsize=4096)
@@ -371,13 +316,13 @@ def _decode_pkl(pkl: bytes) -> _TensorRef:
     Cached by content: every blob of the same dtype/shape/stride has the same data.pkl, and
     only successful results are cached (lru_cache does not cache exceptions).
     """
-    _check_opcodes(pkl)
-    up = _RestrictedUnpickler(pkl)
+    scan_opcodes(pkl, _OPCODE_RULES)
+    up, storages = _unpickler(pkl)
     obj = up.load()
     if type(obj) is not _TensorRef:
         raise _PickleReject(f"data.pkl does not hold a single tensor (got {type(obj).__name__})")
-    if len(up.storages) != 1:
-        raise _PickleReject(f"data.pkl references {len(up.storages)} storages, expected exactly one")
+    if len(storages) != 1:
+        raise _PickleReject(f"data.pkl references {len(storages)} storages, expected exactly one")
     return obj
 
 

@@ -5,16 +5,29 @@ zip blob of a tensor, or the bytes of a byte item) as an extra attribute of its 
 ``.metadata``; stock readers ignore it. Verification reads each such item whole (in batches bounded
 by a memory budget: :mod:`fastdcp.load.verify`), checksums it on the engine's threads, and names
 the item, file and offset of every mismatch. Items without a recorded checksum (stock-written
-checkpoints) are skipped.
+checkpoints) are skipped. :func:`crc32c` is the function over bytes in memory (the chunk index's,
+the replicas').
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from .._native import _C
 from .metadata import CHECKSUM_ATTRIBUTE
 
-__all__ = ["ChecksumError", "ChecksummedItem", "checksummed_items"]
+__all__ = ["ChecksumError", "ChecksummedItem", "checksummed_items", "crc32c"]
+
+
+def crc32c(data: Any, seed: int = 0) -> int:
+    """CRC-32C of a bytes-like object, computed natively with the GIL released.
+
+    Args:
+        data: any C-contiguous buffer (bytes, bytearray, memoryview, mmap, numpy array).
+        seed: the CRC-32C of the bytes before ``data``; ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
+    """
+    return _C.crc32c(data, seed)
 
 
 class ChecksumError(ValueError):

@@ -8,6 +8,7 @@ the metadata (tensor blobs are :mod:`fastdcp.format.blob`'s job; the files thems
 * :func:`parse_metadata` unpickles with an allow-list of exactly what stock DCP writes (the
   ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, dtypes, layouts, the
   memory-format enum, ``pathlib`` paths, plain containers), after a scan of the opcode stream
+  (both :mod:`fastdcp.format.pickles`'s, under this format's rules)
   that refuses memory bombs (memo indices and declared lengths larger than the file) and opcodes
   a metadata pickle never needs (persistent ids, extension codes, out-of-band buffers). Nothing
   outside the objects the load itself creates can be modified: allow-listed functions and the
@@ -31,9 +32,7 @@ import collections
 import importlib
 import io
 import pathlib
-import pickle
 import re
-import struct
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint import filesystem as _stock_fs
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..compat.torch_internals import TENSOR_PROPERTIES_HAVE_STRIDES
+from .pickles import ALL_OPCODES, OpcodeRules, RestrictedUnpickler, load_pickle, opcode_codes, scan_opcodes
 
 __all__ = [
     "METADATA_NAME",
@@ -104,142 +104,35 @@ def shown(value: Any) -> str:
 # unpickler sees the bytes.
 # ---------------------------------------------------------------------------------------------
 
-_NL = -1  # argument up to a newline
-_NL2 = -10  # two newline-terminated lines (GLOBAL, INST)
-_LEN1, _LEN4S, _LEN4U, _LEN8U = -2, -3, -4, -5  # length-prefixed argument
-_REFUSED = -99
-
-
-def _build_opcode_table() -> list[int | None]:
-    import pickletools
-
-    table: list[int | None] = [None] * 256
-    for op in pickletools.opcodes:
-        code = ord(op.code)
-        if op.arg is None:
-            table[code] = 0
-        elif op.name in ("GLOBAL", "INST"):
-            table[code] = _NL2
-        else:
-            table[code] = op.arg.n  # >= 0 fixed, or pickletools' UP_TO_NEWLINE/TAKEN_FROM_* codes
-    # Persistent ids (no metadata has storages), the copyreg extension registry (process-global
-    # state) and out-of-band buffers (never passed) have no place in a metadata pickle.
-    for name in ("PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER"):
-        (op,) = [o for o in pickletools.opcodes if o.name == name]
-        table[ord(op.code)] = _REFUSED
-    assert pickletools.UP_TO_NEWLINE == _NL and pickletools.TAKEN_FROM_ARGUMENT1 == _LEN1
-    assert pickletools.TAKEN_FROM_ARGUMENT4 == _LEN4S and pickletools.TAKEN_FROM_ARGUMENT4U == _LEN4U
-    assert pickletools.TAKEN_FROM_ARGUMENT8U == _LEN8U
-    return table
-
-
-_OPCODES = _build_opcode_table()
-_MEMO_BIN = {ord("r")}  # LONG_BINPUT (the other fixed-size memo opcodes index at most 256 entries)
-_MEMO_TEXT = {ord("p"), ord("g")}  # PUT GET (decimal line)
-_STOP = ord(".")
-_MAX_LINE = 1 << 16
-
 
 class _Reject(Exception):
     """Internal: the pickle contains something a DCP metadata pickle does not."""
 
 
-def _build_fast_skip() -> re.Pattern[bytes]:
-    """A regex matching a run of opcodes that need no check: no argument, or a fixed-size one
-    that sizes nothing (BINPUT's one-byte index is below 256). Alternatives are told apart by
-    their first byte, so matching is linear; it moves ~98% of a metadata pickle's opcodes out
-    of the Python loop."""
-    groups: dict[int, list[int]] = {}
-    for code, kind in enumerate(_OPCODES):
-        if kind is None or kind < 0 or code in (_STOP, _LONG_BINPUT, _FRAME):
-            continue
-        groups.setdefault(kind, []).append(code)
-    alternatives = []
-    for width, codes in sorted(groups.items()):
-        cls = b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]"
-        alternatives.append(cls + (b".{%d}" % width if width else b""))
-    body = b"(?:" + b"|".join(alternatives) + b")"
-    try:
-        return re.compile(body + b"*+", re.DOTALL)  # possessive (Python 3.11+): no backtracking state
-    except re.error:  # pragma: no cover - Python 3.10
-        return re.compile(body + b"*", re.DOTALL)
-
-
-_LONG_BINPUT = ord("r")
-_FRAME = 0x95
-_FAST_SKIP = _build_fast_skip()
-
-
-def _scan_opcodes(data: bytes) -> None:
-    """Walk the opcode stream; raise _Reject for a refused opcode, a declared length or memo
-    index larger than the data (a few bytes could otherwise make the C unpickler allocate
-    gigabytes: a LONG_BINPUT index sizes the memo table, BINBYTES8 preallocates its length), or
-    a stream without STOP."""
-    n = len(data)
-    table = _OPCODES
-    skip = _FAST_SKIP.match
-    p = 0
-    unpack4u = struct.Struct("<I").unpack_from
-    unpack4s = struct.Struct("<i").unpack_from
-    unpack8 = struct.Struct("<Q").unpack_from
-    while True:
-        p = skip(data, p).end()
-        if p >= n:
-            break
-        op = data[p]
-        kind = table[op]
-        p += 1
-        if kind == 0:
-            if op == _STOP:
-                return  # like pickle.load, trailing bytes are ignored
-            continue  # (refused no-argument opcodes are _REFUSED, not 0)
-        if kind is None:
-            raise _Reject(f"invalid pickle opcode 0x{op:02x} at byte {p - 1}")
-        if kind > 0:
-            if p + kind > n:
-                break
-            if op in _MEMO_BIN:
-                index = data[p] if kind == 1 else unpack4u(data, p)[0]
-                if index >= n:
-                    raise _Reject(f"memo index {index} at byte {p - 1} exceeds the pickle's size ({n} bytes)")
-            elif op == _FRAME and unpack8(data, p)[0] > n - p - kind:
-                raise _Reject(f"pickle frame at byte {p - 1} is longer than the data that follows (truncated or damaged)")
-            p += kind
-        elif kind == _NL or kind == _NL2:
-            for _ in range(2 if kind == _NL2 else 1):
-                q = data.find(b"\n", p, p + _MAX_LINE)
-                if q < 0:
-                    raise _Reject(f"unterminated or overlong text argument at byte {p - 1}")
-                if op in _MEMO_TEXT:
-                    try:
-                        index = int(data[p:q])
-                    except ValueError:
-                        raise _Reject(f"malformed memo index at byte {p - 1}") from None
-                    if not 0 <= index < n:
-                        raise _Reject(f"memo index {index} at byte {p - 1} exceeds the pickle's size ({n} bytes)")
-                p = q + 1
-        elif kind == _REFUSED:
-            raise _Reject(f"pickle opcode 0x{op:02x} at byte {p - 1} is not allowed in DCP metadata")
-        else:
-            width = 1 if kind == _LEN1 else 8 if kind == _LEN8U else 4
-            if p + width > n:
-                break
-            if kind == _LEN1:
-                length = data[p]
-            elif kind == _LEN4S:
-                length = unpack4s(data, p)[0]
-            elif kind == _LEN4U:
-                length = unpack4u(data, p)[0]
-            else:
-                length = unpack8(data, p)[0]
-            p += width
-            if length < 0 or length > n - p:
-                raise _Reject(
-                    f"pickle argument at byte {p - width - 1} declares {length} bytes but only {n - p} follow "
-                    f"(truncated or damaged)"
-                )
-            p += length
-    raise _Reject(f"the pickle is truncated (it ends at byte {n} without a STOP opcode)")
+# Persistent ids (no metadata has storages), the copyreg extension registry (process-global
+# state) and out-of-band buffers (never passed) have no place in a metadata pickle. Memo indices
+# checked: LONG_BINPUT's and the decimal PUT's and GET's (the other fixed-size memo opcodes index
+# at most 256 entries); trailing bytes after STOP are ignored, as pickle.load does.
+_OPCODE_RULES = OpcodeRules(
+    allowed=ALL_OPCODES - opcode_codes(("PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER",
+                                        "READONLY_BUFFER")),
+    memo_checked=opcode_codes(("LONG_BINPUT", "PUT", "GET")),
+    max_line=1 << 16,
+    check_frames=True,
+    trailing=True,
+    error=_Reject,
+    messages={
+        "invalid": "invalid pickle opcode 0x{op:02x} at byte {at}",
+        "refused": "pickle opcode 0x{op:02x} at byte {at} is not allowed in DCP metadata",
+        "memo": "memo index {index} at byte {at} exceeds the pickle's size ({n} bytes)",
+        "memo_text": "malformed memo index at byte {at}",
+        "frame": "pickle frame at byte {at} is longer than the data that follows (truncated or damaged)",
+        "line": "unterminated or overlong text argument at byte {at}",
+        "length": "pickle argument at byte {at} declares {length} bytes but only {follow} follow (truncated or "
+                  "damaged)",
+        "truncated": "the pickle is truncated (it ends at byte {n} without a STOP opcode)",
+    },
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,15 +355,15 @@ def _user_allowed_global(module: str, name: str) -> Any | None:
         return None
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only allow-listed globals; every mutable thing it hands out is private to this load.
+class _MetadataGlobals:
+    """The globals of one load, resolved from the allow-list; every mutable thing handed out is
+    private to this load (a :class:`~fastdcp.format.pickles.RestrictedUnpickler`'s ``find_global``).
 
     The metadata dataclasses resolve to frozen per-load subclasses whose ``__new__`` records each
     instance; :meth:`adopt` switches those instances to the real classes after the load.
     """
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self) -> None:
         self.shadows: dict[type, type] = {}  # per-load subclass -> real class
         self.instances: list[Any] = []
         self._resolved: dict[tuple[str, str], Any] = {}
@@ -495,7 +388,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self.shadows[sub] = real
         return sub
 
-    def find_class(self, module: str, name: str) -> Any:
+    def __call__(self, module: str, name: str) -> Any:
         if type(module) is not str or type(name) is not str:
             raise _Reject("malformed global reference")
         key = (module, name)
@@ -524,9 +417,6 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._resolved[key] = hit
         return hit
 
-    def persistent_load(self, pid: Any) -> Any:
-        raise _Reject("the pickle has a persistent id (DCP metadata has none)")
-
     def adopt(self) -> None:
         """Give every instance the load created its real class (same layout: the subclasses
         add no slots)."""
@@ -539,14 +429,17 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self.instances.clear()
 
 
+def _no_persistent_id(pid: Any) -> Any:
+    raise _Reject("the pickle has a persistent id (DCP metadata has none)")
+
+
 def _unpickle_restricted(data: bytes) -> Any:
-    _scan_opcodes(data)
-    up = _RestrictedUnpickler(data)
+    scan_opcodes(data, _OPCODE_RULES)
+    resolved = _MetadataGlobals()
     try:
-        obj = up.load()
+        return RestrictedUnpickler(data, resolved, _no_persistent_id).load()
     finally:
-        up.adopt()  # also on failure: nothing the caller might still see keeps a per-load class
-    return obj
+        resolved.adopt()  # also on failure: nothing the caller might still see keeps a per-load class
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,15 +572,9 @@ def parse_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> _m
     """
     if not data:
         raise CheckpointFormatError(f"{where}: the file is empty (a save that never finished?)")
-    if not allow_unsafe:
-        md = unpickle_restricted(data, where)
-    else:
-        try:
-            md = pickle.loads(data)
-        except Exception as e:
-            raise CheckpointFormatError(
-                f"{where}: not a readable metadata pickle ({type(e).__name__}: {str(e)[:SHOW_CHARS]})"
-            ) from e
+    md = load_pickle(data, allow_unsafe=allow_unsafe, restricted=lambda d: unpickle_restricted(d, where),
+                     fail=lambda problem: CheckpointFormatError(f"{where}: {problem}"),
+                     unreadable="not a readable metadata pickle")
     try:
         _validate(md, where)
     except CheckpointFormatError:

@@ -1,7 +1,7 @@
 """``TableMetadata``: a ``Metadata`` backed by a :class:`~fastdcp.format.chunk_table.ChunkTable`,
 building stock's per-chunk objects only when something asks for them.
 
-A rank that loads a checkpoint from its chunk index (:mod:`fastdcp.format.chunk_index`) holds the
+A rank that loads a checkpoint from its chunk index (:mod:`fastdcp.format.index_reader`) holds the
 checkpoint's ~5 million chunks as a few columns. Code that wants stock objects still gets them:
 
 * ``state_dict_metadata`` is built (a dict of ``TensorStorageMetadata``/``BytesStorageMetadata``,
@@ -20,7 +20,7 @@ Metadata``, every field built); ``copy.copy`` shares the table (and whatever was
 one chunk at a time (its ``chunks`` are a lazy sequence, not lists).
 
 The table is treated as immutable, and its ``storage_data`` keys as unique (true of any table of a
-valid checkpoint, and checked for fqns by :func:`fastdcp.format.chunk_index.read_chunk_index`):
+valid checkpoint, and checked for fqns by :func:`fastdcp.format.index_reader.read_chunk_index`):
 ``len(storage_data)`` is the number of rows until the dict is built.
 """
 

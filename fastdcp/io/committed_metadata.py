@@ -15,9 +15,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.chunk_index import read_chunk_index
+from ..format.index_reader import read_chunk_index
 from ..format.metadata import CheckpointFormatError
 from ..format.table_metadata import TableMetadata
+from .positional import ReadAhead, open_source
 
 __all__ = ["CommittedIndex", "CommittedTableMetadata"]
 
@@ -55,8 +56,8 @@ class CommittedTableMetadata(TableMetadata):
         where: CommittedIndex = d["_committed_where"]
         path = os.path.join(where.directory, where.index_name)
         try:
-            with open(path, "rb") as f:
-                index = read_chunk_index(f, f"checkpoint chunk index '{path}'")
+            with open_source(path) as source:
+                index = read_chunk_index(ReadAhead(source), f"checkpoint chunk index '{path}'")
         except FileNotFoundError:
             raise CheckpointFormatError(
                 f"the metadata dcp.save returned refers to chunk index '{path}', which no longer exists: the "

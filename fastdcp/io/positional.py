@@ -1,47 +1,22 @@
 """Reading a file or an object at byte positions: what a checkpoint's ``.metadata`` and chunk index
-are read through, so that one reading path (``load/metadata_cache.py``,
-``load/sectioned_metadata.py``) serves a local checkpoint (:class:`FileSource`: ``pread`` on a
-descriptor held open) and one in object storage (``fastdcp.objstore.indexed_metadata.ObjectSource``:
-ranged GETs).
-
-A source answers two questions: its size, and the bytes at an offset (fewer only where it ends).
-:func:`source_stream` turns one into a sequential, seekable binary stream for the readers that
-read a whole index front to back.
+are read through (:class:`~fastdcp.format.sources.PositionalSource`), so that one reading path
+(``load/metadata_cache.py``, ``load/sectioned_metadata.py``) serves a local checkpoint
+(:class:`FileSource`: ``pread`` on a descriptor held open) and one in object storage
+(``fastdcp.objstore.indexed_metadata.ObjectSource``: ranged GETs). :class:`ReadAhead` serves the
+small reads of a source read front to back (a whole index) from one larger read.
 """
 
 from __future__ import annotations
 
-import io
 import os
-from typing import Callable, Protocol
+from typing import Any, Callable
 
-__all__ = ["PositionalSource", "FileSource", "source_stream"]
+from ..format.sources import PositionalSource
+
+__all__ = ["FileSource", "ReadAhead", "open_source"]
 
 _PREAD_LIMIT = 64 << 20  # bytes one pread asks for at most
-_STREAM_BUFFER = 1 << 20  # a stream's buffer: small reads (headers, padding) cost no request of their own
-
-
-class PositionalSource(Protocol):
-    """Bytes at positions of one file or object.
-
-    Args:
-        name: the path or URL, for messages.
-    """
-
-    name: str
-
-    def size(self) -> int:
-        """The size in bytes."""
-        ...
-
-    def read_into(self, offset: int, dest: memoryview) -> int:
-        """Fill ``dest`` with the bytes from ``offset``; returns how many were read (fewer than
-        ``len(dest)`` only where the source ends). Errors are ``OSError``s naming the source."""
-        ...
-
-    def close(self) -> None:
-        """Release what the source holds (a descriptor, a cached response)."""
-        ...
+_WINDOW = 1 << 20  # ReadAhead's window: small reads (headers, padding) cost no request of their own
 
 
 class FileSource:
@@ -87,6 +62,12 @@ class FileSource:
             except OSError:
                 pass
 
+    def __enter__(self) -> FileSource:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def __del__(self) -> None:
         self.close()
 
@@ -94,46 +75,57 @@ class FileSource:
         return f"FileSource({self.name!r})"
 
 
-class _SourceRaw(io.RawIOBase):
-    """A :class:`PositionalSource` as a raw stream (its own position; the source is not closed
-    with it)."""
-
-    def __init__(self, source: PositionalSource, start: int = 0) -> None:
-        super().__init__()
-        self._source = source
-        self._pos = start
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: object) -> int:
-        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
-        n = self._source.read_into(self._pos, view) if len(view) else 0
-        self._pos += n
-        return n
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            pos = offset
-        elif whence == io.SEEK_CUR:
-            pos = self._pos + offset
-        elif whence == io.SEEK_END:
-            pos = self._source.size() + offset
-        else:
-            raise ValueError(f"invalid whence {whence}")
-        if pos < 0:
-            raise ValueError(f"negative seek position {pos}")
-        self._pos = pos
-        return pos
+def open_source(path: str, count: Callable[[int], None] | None = None) -> FileSource:
+    """The file at ``path`` opened for reading, as a :class:`FileSource` (raises ``OSError``,
+    ``FileNotFoundError`` for a missing file, as ``open`` does)."""
+    return FileSource(os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), os.fspath(path), count)
 
 
-def source_stream(source: PositionalSource, start: int = 0) -> io.BufferedReader:
-    """``source`` as a buffered binary stream positioned at ``start``: reads of at least the
-    buffer's size go straight into the caller's memory, smaller ones are served from one read."""
-    return io.BufferedReader(_SourceRaw(source, start), buffer_size=_STREAM_BUFFER)
+class ReadAhead:
+    """A :class:`~fastdcp.format.sources.PositionalSource` read front to back through a window: a read
+    no larger than the window is served from one read of a whole window at its offset (what
+    follows is kept for the next reads), a larger one goes straight into the caller's memory. The
+    source is not closed with it.
+
+    Args:
+        source: the source read.
+        window: the window's size in bytes.
+    """
+
+    def __init__(self, source: PositionalSource, window: int = _WINDOW) -> None:
+        self.source = source
+        self.name = source.name
+        self._window = bytearray(window)
+        self._start = 0  # the source offset of the window's first byte
+        self._held = 0  # bytes of the window that hold the source's
+
+    def size(self) -> int:
+        return self.source.size()
+
+    def read_into(self, offset: int, dest: memoryview) -> int:
+        n = len(dest)
+        done = 0
+        if self._start <= offset < self._start + self._held:
+            done = min(n, self._start + self._held - offset)
+            at = offset - self._start
+            dest[:done] = self._window[at:at + done]
+        if done == n:
+            return n
+        self._held = 0
+        window = memoryview(self._window)
+        while done < n:
+            rest = n - done
+            if rest > len(window):
+                got = self.source.read_into(offset + done, dest[done:])
+            else:
+                self._start = offset + done
+                self._held = self.source.read_into(self._start, window)
+                got = min(self._held, rest)
+                dest[done:done + got] = window[:got]
+            if not got:
+                break
+            done += got
+        return done
+
+    def close(self) -> None:
+        pass

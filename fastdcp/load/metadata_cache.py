@@ -2,7 +2,7 @@
 and reading a checkpoint's metadata from its chunk index when the ``.metadata`` names one.
 
 A ``.metadata`` that fastdcp's writer emitted names a chunk index file beside it in its first
-bytes (:func:`fastdcp.format.chunk_index.find_chunk_index_name`). :func:`load_table_metadata`
+bytes (:func:`fastdcp.format.index_link.find_chunk_index_name`). :func:`load_table_metadata`
 reads that index instead of unpickling ``.metadata`` (at thousands of ranks, seconds and a few
 hundred MB instead of minutes and gigabytes) and returns a
 :class:`~fastdcp.format.table_metadata.TableMetadata`. It falls back to parsing ``.metadata``
@@ -27,18 +27,15 @@ from typing import Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..format.chunk_index import (
-    find_chunk_index_name,
-    read_chunk_index,
-    read_index_header,
-    read_shared_objects,
-    source_metadata_facts,
-)
+from ..format.index_link import find_chunk_index_name, metadata_facts
+from ..format.index_reader import read_chunk_index
+from ..format.index_sections import read_index_header, read_shared_objects
 from ..format.metadata import CheckpointFormatError
+from ..format.sources import PositionalSource
 from ..format.table_metadata import TableMetadata
 from ..io.checkpoint_files import check_relative_path, load_metadata, metadata_path
 from ..io.gc import gc_paused
-from ..io.positional import FileSource, PositionalSource, source_stream
+from ..io.positional import FileSource, ReadAhead
 from .sectioned_metadata import IndexSource, SectionedTableMetadata, count_metadata_read
 
 __all__ = ["MetadataCache", "metadata_cache", "clear_metadata_cache", "load_table_metadata", "metadata_from_index"]
@@ -219,7 +216,7 @@ def metadata_from_index(metadata: PositionalSource, open_index: Callable[[str], 
     """The metadata of the checkpoint whose ``.metadata`` is ``metadata``, from the chunk index it
     names, or None when the caller should parse ``.metadata`` instead: the one reading path of
     local files and objects alike (positional reads through
-    :class:`~fastdcp.io.positional.PositionalSource`).
+    :class:`~fastdcp.format.sources.PositionalSource`).
 
     Reads ``.metadata``'s first bytes for the index's name, the index's header, then the
     ``.metadata``'s size and edges to check that the index was written for it (the first bytes
@@ -264,7 +261,7 @@ def metadata_from_index(metadata: PositionalSource, open_index: Callable[[str], 
             _unusable(where, e, "reading the metadata itself")
             return None
         try:
-            size, head_crc, tail_crc = source_metadata_facts(metadata, header.edge_bytes, head)
+            size, head_crc, tail_crc = metadata_facts(metadata, header.edge_bytes, head)
         except CheckpointFormatError as e:  # shorter than its size: truncated while it was read
             logger.warning("ignoring %s: %s; reading the metadata itself", where, e)
             return None
@@ -293,8 +290,8 @@ def metadata_from_index(metadata: PositionalSource, open_index: Callable[[str], 
             if table_size > _INDEX_SIZE_RATIO * size + _INDEX_SIZE_SLACK:
                 raise CheckpointFormatError(f"{where}: {table_size} bytes is implausibly large for a "
                                             f"{size}-byte .metadata")
-            with source_stream(index) as g, gc_paused():
-                chunk_index = read_chunk_index(g, where, allow_unsafe=allow_unsafe)
+            with gc_paused():
+                chunk_index = read_chunk_index(ReadAhead(index), where, allow_unsafe=allow_unsafe)
         except (CheckpointFormatError, OSError) as e:
             _unusable(where, e, "reading the metadata itself")
             return None

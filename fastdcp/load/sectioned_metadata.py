@@ -32,12 +32,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ..format.chunk_index import IndexHeader, RankSection, pread_exactly, read_chunk_index, read_rank_section
 from ..format.chunk_table import table_from_metadata
+from ..format.index_reader import read_chunk_index
+from ..format.index_sections import IndexHeader, RankSection, read_rank_section
 from ..format.metadata import CheckpointFormatError, parse_metadata
+from ..format.sources import PositionalSource, read_exactly
 from ..format.table_metadata import _SD, _SDM, _TABLE, _UNBUILT, TableEntries, TableMetadata, TableStorageData
 from ..io.gc import gc_paused
-from ..io.positional import PositionalSource, source_stream
+from ..io.positional import ReadAhead
 
 __all__ = ["IndexSource", "SectionedTableMetadata", "SectionStorageData", "metadata_bytes_read"]
 
@@ -70,7 +72,7 @@ class IndexSource:
     CRC-32C) when this was made: one rank's section or the whole table, each read on demand
     and kept.
 
-    Both are read through positional sources (:class:`fastdcp.io.positional.PositionalSource`),
+    Both are read through positional sources (:class:`fastdcp.format.sources.PositionalSource`),
     owned and closed with this object: local files held open (a save that replaces the
     checkpoint meanwhile, renaming a new ``.metadata`` over it and deleting the old index, cannot
     make a later read see another save than the one this load started with), or objects read
@@ -81,7 +83,7 @@ class IndexSource:
         metadata: the ``.metadata`` the index was matched against.
         index: the chunk index.
         header: the index's header, as read.
-        shared: the index's shared objects (:func:`~fastdcp.format.chunk_index.read_shared_objects`).
+        shared: the index's shared objects (:func:`~fastdcp.format.index_sections.read_shared_objects`).
         allow_unsafe: unpickle the index's small objects with plain pickle.
     """
 
@@ -141,8 +143,8 @@ class IndexSource:
     def _read_full(self) -> TableMetadata:
         h = self.header
         try:
-            with source_stream(self.index) as f, gc_paused():
-                index = read_chunk_index(f, self.where, allow_unsafe=self.allow_unsafe)
+            with gc_paused():
+                index = read_chunk_index(ReadAhead(self.index), self.where, allow_unsafe=self.allow_unsafe)
             facts = (index.metadata_size, index.metadata_head_crc, index.metadata_tail_crc)
             if facts != (h.metadata_size, h.metadata_head_crc, h.metadata_tail_crc):
                 raise CheckpointFormatError(f"{self.where}: its table was written for another .metadata")
@@ -150,7 +152,7 @@ class IndexSource:
         except (CheckpointFormatError, OSError) as e:
             logger.warning("ignoring a damaged chunk index, reading the metadata itself: %s", e)
         with gc_paused():
-            data = pread_exactly(self.metadata, 0, self.metadata.size(),
+            data = read_exactly(self.metadata, 0, self.metadata.size(),
                                  lambda problem: CheckpointFormatError(f"'{self.metadata_file}': {problem}"))
             parsed = parse_metadata(data, f"checkpoint metadata '{self.metadata_file}'",
                                     allow_unsafe=self.allow_unsafe)

@@ -27,7 +27,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..format.chunk_index import edge_bytes_for, metadata_facts, write_chunk_index
+from ..format.index_layout import edge_bytes_for
+from ..format.index_link import metadata_facts
+from ..format.index_writer import write_chunk_index
 from ..format.metadata import CheckpointFormatError, CheckpointNotFoundError, parse_metadata
 from ..format.metadata_emit import CHUNK_INDEX_ATTRIBUTE, write_metadata
 from ..io.gc import gc_paused
@@ -129,10 +131,11 @@ def metadata_objects(metadata: Metadata, name: str, token: str | None
     out, index = io.BytesIO(), io.BytesIO()
     with gc_paused():
         write_metadata(out, table, chunk_index_name=index_name, **facts)
-        size, head_crc, tail_crc = metadata_facts(out, edge_bytes_for(table))
+        data = out.getvalue()
+        size, head_crc, tail_crc = metadata_facts(data, edge_bytes_for(table))
         write_chunk_index(index, table, metadata_size=size, metadata_head_crc=head_crc, metadata_tail_crc=tail_crc,
                           **facts)
-    return out.getvalue(), (index_name, index.getvalue())
+    return data, (index_name, index.getvalue())
 
 
 def metadata_bytes(metadata: Metadata) -> bytes:

@@ -64,7 +64,7 @@ class ObjectChangedError(ObjectStoreError):
 
 class ObjectSource:
     """One object read at positions by ranged GETs (a
-    :class:`~fastdcp.io.positional.PositionalSource`). The first response pins the object's size
+    :class:`~fastdcp.format.sources.PositionalSource`). The first response pins the object's size
     and ETag; later requests carry ``If-Match`` with it, so they read the same version or fail
     with :class:`ObjectChangedError`. A first response from offset 0 (up to 64 KiB) is kept: a
     later read of those bytes (the whole of a small ``.metadata``) costs no request. Reads larger

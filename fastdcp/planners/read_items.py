@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from ..format.chunk_index import RankSection
+from ..format.index_sections import RankSection
 from ..format.chunk_table import ChunkTable
 from ..io.gc import gc_paused
 from .structure import _PLAIN_TENSOR_TYPES
@@ -290,7 +290,7 @@ def covering_read_items(state_dict: Mapping[str, Any], own: RankSection, section
     position in the tensor points), then the following sections up to the chunk's last element
     are taken. Whatever the layout, the plan is used only if the sections found cover it, so a
     layout that breaks the ordering costs reads, never correctness."""
-    from ..format.chunk_index import merge_sections
+    from ..format.index_sections import merge_sections
 
     current, included = own, {own.rank}
     for _ in range(max_rounds):

@@ -33,11 +33,14 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..format.chunk_index import edge_bytes_for, metadata_facts, write_chunk_index
+from ..format.index_layout import edge_bytes_for
+from ..format.index_link import metadata_facts
+from ..format.index_writer import write_chunk_index
 from ..format.metadata import METADATA_NAME, RANK_METADATA_RE
 from ..format.metadata_emit import CHUNK_INDEX_ATTRIBUTE, write_metadata
 from ..io.checkpoint_files import fsync_directory, load_metadata
 from ..io.gc import gc_paused
+from ..io.positional import FileSource
 from . import inflight
 from .crash_points import crash_point
 from .inflight import ConcurrentSaveError
@@ -246,7 +249,8 @@ def _write_table_metadata(directory: str, tmp_path: str, index_name: str, metada
         if sync:
             os.fsync(f.fileno())
         st = os.fstat(f.fileno())
-        size, head_crc, tail_crc = metadata_facts(f, edge_bytes_for(table))
+        with FileSource(os.dup(f.fileno()), tmp_path) as written:
+            size, head_crc, tail_crc = metadata_facts(written, edge_bytes_for(table))
     with open(os.path.join(directory, index_name), "wb") as f:
         write_chunk_index(
             f, table, metadata_size=size, metadata_head_crc=head_crc, metadata_tail_crc=tail_crc, **facts

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..format.chunk_index import crc32c
+from ..format.checksums import crc32c
 
 __all__ = ["NODE_ENV", "node_name", "ranks_on_this_node", "existing_peer_group", "NodeMap", "PeerGroup", "peer_group", "send_file", "recv_file",
            "send_bytes", "recv_bytes", "skip_file", "PeerTransferError", "PIECE_BYTES"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..format.chunk_index import crc32c
+from ..format.checksums import crc32c
 from ..format.metadata import METADATA_NAME
 from . import local_tier
 from .peers import PeerGroup, recv_bytes, recv_file, send_bytes, send_file, wait_all

@@ -1,7 +1,7 @@
-"""The chunk index file: round trips of every table shape (from bytes and from files), columns
-stored narrow when they fit, and hostile files (truncated anywhere, header lengths that lie,
-damaged bytes, and columns or objects that contradict each other with a valid checksum) refused
-with a CheckpointFormatError naming the file, before anything large is allocated."""
+"""The chunk index file (index_writer, index_reader): round trips of every table shape (from bytes and
+from files), columns stored narrow when they fit, and hostile files (truncated anywhere, header
+lengths that lie, damaged bytes, and columns or objects that contradict each other with a valid
+checksum) refused with a CheckpointFormatError naming the file, before anything large is allocated."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ import pytest
 import torch
 
 import chunk_table_cases as T
-from fastdcp.format import chunk_index as CI
-from fastdcp.format.chunk_index import ChunkIndex, crc32c, metadata_facts, read_chunk_index, write_chunk_index
+from fastdcp.format import index_layout as L
+from fastdcp.format.checksums import crc32c
+from fastdcp.format.index_link import metadata_facts
+from fastdcp.format.index_reader import ChunkIndex, read_chunk_index
+from fastdcp.format.index_writer import write_chunk_index
+from fastdcp.io.positional import ReadAhead, open_source
 from fastdcp.format.chunk_table import ChunkTable, StorageColumns
 from fastdcp.format.metadata import CheckpointFormatError
 
@@ -52,10 +56,11 @@ def test_round_trip(seed, checksums, tmp_path):
     data = index_bytes(table)
     path = tmp_path / "index"
     path.write_bytes(data)
-    with open(path, "rb") as f:
-        from_file = read_chunk_index(f, WHERE)
+    with open_source(path) as source:
+        from_file = read_chunk_index(source, WHERE)
+        read_ahead = read_chunk_index(ReadAhead(source, window=4096), WHERE)
     for got in (read_chunk_index(data, WHERE), read_chunk_index(bytearray(data), WHERE),
-                read_chunk_index(memoryview(data), WHERE), read_chunk_index(io.BytesIO(data), WHERE), from_file):
+                read_chunk_index(memoryview(data), WHERE), from_file, read_ahead):
         assert isinstance(got, ChunkIndex)
         assert_tables_equal(table, got.table)
         want = T.extras()
@@ -92,13 +97,14 @@ def test_columns_are_stored_as_int32_when_they_fit():
 
 def test_metadata_facts(tmp_path):
     rng = random.Random(1)
-    for size in (0, 10, CI.EDGE_BYTES, CI.EDGE_BYTES + 1, 3 * CI.EDGE_BYTES + 5):
+    for size in (0, 10, L.EDGE_BYTES, L.EDGE_BYTES + 1, 3 * L.EDGE_BYTES + 5):
         data = bytes(rng.getrandbits(8) for _ in range(size))
         path = tmp_path / f"m{size}"
         path.write_bytes(data)
-        with open(path, "rb") as f:
-            got = metadata_facts(f)
-        assert got == (size, crc32c(data[: CI.EDGE_BYTES]), crc32c(data[-CI.EDGE_BYTES:] if data else b""))
+        with open_source(path) as source:
+            got = metadata_facts(source)
+        assert got == (size, crc32c(data[: L.EDGE_BYTES]), crc32c(data[-L.EDGE_BYTES:] if data else b""))
+        assert metadata_facts(data) == got
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
 
 
@@ -118,7 +124,7 @@ def refused(data, *words: str) -> str:
 def with_crc(data: bytes | bytearray) -> bytes:
     """``data`` with its trailer's CRC recomputed (what a deliberate forger would do)."""
     body = bytes(data[:-8])
-    return body + CI._TRAILER.pack(CI._TRAILER_MAGIC, crc32c(body))
+    return body + L.TRAILER.pack(L.TRAILER_MAGIC, crc32c(body))
 
 
 def test_truncated_anywhere(tmp_path):
@@ -128,16 +134,16 @@ def test_truncated_anywhere(tmp_path):
     for cut in cuts:
         refused(data[:cut])
         path.write_bytes(data[:cut])
-        with open(path, "rb") as f:
-            refused(f)
+        with open_source(path) as source:
+            refused(source)
 
 
 def _patched(data: bytes, field: str, value) -> bytes:
     names = ["magic", "version", "header_size", "flags", "width", "entries", "rows", "metadata_size", "head_crc",
              "tail_crc", "element_sizes", "objects_offset", "objects_length"]
-    fields = list(CI._HEADER.unpack_from(data))
+    fields = list(L.HEADER.unpack_from(data))
     fields[names.index(field)] = value
-    return CI._HEADER.pack(*fields) + data[CI._HEADER.size:]
+    return L.HEADER.pack(*fields) + data[L.HEADER.size:]
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -165,7 +171,7 @@ def test_damaged_bytes_fail_the_checksum():
     rng = random.Random(2)
     for _ in range(50):
         damaged = bytearray(data)
-        damaged[rng.randrange(CI._HEADER_SIZE, len(data) - 8)] ^= 1 << rng.randrange(8)
+        damaged[rng.randrange(L.HEADER_SIZE, len(data) - 8)] ^= 1 << rng.randrange(8)
         refused(bytes(damaged), "checksum mismatch")
 
 
@@ -249,7 +255,7 @@ def test_the_forger_is_honest_without_a_mutation():
 
 def test_objects_pickle_is_checked():
     data = bytearray(index_bytes(T.random_table(9, entries=3)))
-    (offset, length) = struct.unpack_from("<QQ", data, CI._HEADER.size - 16)
+    (offset, length) = struct.unpack_from("<QQ", data, L.HEADER.size - 16)
     evil = b"\x80\x04cos\nsystem\n\x8c\x04echo\x85R."  # GLOBAL os.system, called
     data[offset : offset + length] = evil.ljust(length, b".")
     refused(with_crc(data), "refusing to load disallowed global os.system")

@@ -1,4 +1,4 @@
-"""The native CRC-32C function ``_C.crc32c`` and ``fastdcp.format.chunk_index.crc32c`` over it: the
+"""The native CRC-32C function ``_C.crc32c`` and ``fastdcp.format.checksums.crc32c`` over it: the
 standard check value, continuation from a seed, and every C-contiguous buffer (bytes, bytearray,
 memoryview, mmap, numpy) accepted; a strided buffer refused rather than checksummed wrongly."""
 
@@ -11,12 +11,12 @@ import threading
 import pytest
 
 from fastdcp._native import _C
-from fastdcp.format.chunk_index import crc32c
+from fastdcp.format.checksums import crc32c
 
 CHECK = 0xE3069283  # CRC-32C of b"123456789"
 
 
-@pytest.mark.parametrize("function", [_C.crc32c, crc32c], ids=["native", "chunk_index"])
+@pytest.mark.parametrize("function", [_C.crc32c, crc32c], ids=["native", "checksums"])
 def test_the_check_value_and_the_continuation(function):
     assert function(b"123456789") == CHECK
     assert function(b"") == 0 and function(b"", 1234) == 1234

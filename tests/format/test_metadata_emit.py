@@ -25,7 +25,9 @@ from torch.distributed.checkpoint.metadata import (
 
 import chunk_table_cases as T
 from fastdcp.format import metadata_emit as ME
-from fastdcp.format.chunk_index import find_chunk_index_name
+from fastdcp.format import metadata_records as MR
+from fastdcp.format import pickle_stream as PS
+from fastdcp.format.index_link import find_chunk_index_name
 from fastdcp.format.chunk_table import NO_CHECKSUM, ChunkTable, StorageColumns, table_to_metadata
 from fastdcp.format.metadata import CheckpointFormatError, parse_metadata
 from fastdcp.format.metadata_emit import CHUNK_INDEX_ATTRIBUTE, write_metadata
@@ -430,7 +432,7 @@ def _mark_zero_offsets_whole(codes):
         c = codes(self, start, end, storage=storage)
         if storage or isinstance(c, int):
             return c
-        return torch.where((c & ME._ZERO) != 0, c | ME._WHOLE, c)
+        return torch.where((c & MR.ZERO) != 0, c | MR.WHOLE, c)
     return wrong
 
 
@@ -467,10 +469,10 @@ def test_wrong_sharing_is_caught(monkeypatch, mutation):
     """The checks above fail on an emitter that shares what is not equal (so the tables do
     exercise each rule, and equality is checked object by object)."""
     target, make = {
-        "zero_is_whole": ((ME._WindowRows, "codes"), _mark_zero_offsets_whole),
+        "zero_is_whole": ((MR.WindowRows, "codes"), _mark_zero_offsets_whole),
         "props_by_dtype": ((ME._Shared, "push_properties"), _properties_by_dtype),
         "sizes_by_ndim": ((ME._Shared, "push_size"), _sizes_by_ndim),
-        "memo_one_short": ((ME._Stream, "pickled"), _memo_one_short),
+        "memo_one_short": ((PS.PickleStream, "pickled"), _memo_one_short),
     }[mutation]
     monkeypatch.setattr(*target, make(getattr(*target)))
     table = shared_parts_table(0)

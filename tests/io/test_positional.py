@@ -1,6 +1,6 @@
 """Positional sources (fastdcp/io/positional.py): a file read with pread through a descriptor the
-source owns, counted; a source as a buffered stream that a whole chunk index is read from; the
-chunk index readers taking a source where they took a descriptor."""
+source owns, counted; a source read ahead in windows, which a whole chunk index is read through;
+the chunk index readers taking a source."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import os
 
 import pytest
 
-from fastdcp.format import chunk_index as CI
-from fastdcp.io.positional import FileSource, source_stream
+from fastdcp.format.index_link import metadata_facts
+from fastdcp.format.index_reader import read_chunk_index
+from fastdcp.format.index_sections import read_index_header
+from fastdcp.format.index_writer import write_chunk_index
+from fastdcp.format.sources import read_exactly
+from fastdcp.io.positional import FileSource, ReadAhead, open_source
 
 
 def _source(path, data: bytes, counted: list[int] | None = None) -> FileSource:
@@ -37,25 +41,39 @@ def test_a_file_source_keeps_reading_the_file_it_opened(tmp_path):
     source = _source(path, b"old" * 10)
     path.unlink()
     path.write_bytes(b"new" * 20)  # replaced: the descriptor still reads the old file
-    assert CI.pread_exactly(source, 0, 30, ValueError) == b"old" * 10
+    assert read_exactly(source, 0, 30, ValueError) == b"old" * 10
     with pytest.raises(ValueError, match="truncated"):
-        CI.pread_exactly(source, 20, 20, lambda problem: ValueError(problem))
+        read_exactly(source, 20, 20, lambda problem: ValueError(problem))
     source.close()
 
 
-def test_a_source_stream_reads_seeks_and_serves_small_reads_from_one_read(tmp_path):
+def test_open_source_opens_a_path_and_closes_with_the_block(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    with open_source(path) as source:
+        assert source.size() == 3 and source.name == str(path)
+    assert source.fd is None
+    with pytest.raises(FileNotFoundError):
+        open_source(tmp_path / "missing")
+
+
+def test_read_ahead_serves_small_reads_from_one_read_and_large_ones_directly(tmp_path):
     data = os.urandom(3 << 20)
     counted: list[int] = []
     source = _source(tmp_path / "f", data, counted)
-    with source_stream(source, start=10) as f:
-        assert f.tell() == 10 and f.read(5) == data[10:15] and f.read(7) == data[15:22]
-        assert len(counted) == 1  # both from the stream's buffer
-        big = bytearray(2 << 20)
-        assert f.readinto(big) == len(big) and bytes(big) == data[22:22 + len(big)]
-        assert f.seek(0, io.SEEK_END) == len(data) and f.read(1) == b""
-        f.seek(len(data) - 3)
-        assert f.read() == data[-3:]
-    assert source.size() == len(data)  # the stream does not close its source
+    ahead = ReadAhead(source)
+    buf = bytearray(7)
+    assert ahead.read_into(10, memoryview(buf)[:5]) == 5 and bytes(buf[:5]) == data[10:15]
+    assert ahead.read_into(15, memoryview(buf)) == 7 and bytes(buf) == data[15:22]
+    assert counted == [1 << 20]  # both from one window
+    big = bytearray(2 << 20)
+    assert ahead.read_into(22, memoryview(big)) == len(big) and bytes(big) == data[22:22 + len(big)]
+    assert counted == [1 << 20, len(big) - ((1 << 20) - 12)]  # the window's rest (it starts at 10), then straight in
+    assert ahead.read_into(len(data) - 3, memoryview(buf)) == 3 and bytes(buf[:3]) == data[-3:]
+    assert ahead.read_into(len(data), memoryview(buf)) == 0
+    assert ahead.size() == len(data) and ahead.name == source.name
+    ahead.close()
+    assert source.size() == len(data)  # the source is not closed with it
     source.close()
 
 
@@ -65,13 +83,12 @@ def test_the_chunk_index_reads_the_same_through_a_source_as_from_bytes(tmp_path)
     table = T.random_table(5, entries=12, max_chunks=4, big=False)
     table.storage.byte_length.clamp_(max=(1 << 31) - 1)
     out = io.BytesIO()
-    CI.write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
+    write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
     source = _source(tmp_path / "index", out.getvalue())
-    header = CI.read_index_header(source, "test")
+    header = read_index_header(source, "test")
     assert header.metadata_size == 5
-    with source_stream(source) as f:
-        streamed = CI.read_chunk_index(f, "test")
-    whole = CI.read_chunk_index(out.getvalue(), "test")
+    streamed = read_chunk_index(ReadAhead(source), "test")
+    whole = read_chunk_index(out.getvalue(), "test")
     assert streamed.table.fqns == whole.table.fqns
     assert bool((streamed.table.offsets == whole.table.offsets).all())
     assert bool((streamed.table.storage.byte_offset == whole.table.storage.byte_offset).all())
@@ -82,12 +99,12 @@ def test_metadata_facts_through_a_source_reuse_the_first_bytes(tmp_path):
     data = os.urandom(10_000)
     counted: list[int] = []
     source = _source(tmp_path / "md", data, counted)
-    expected = CI.metadata_facts(io.BytesIO(data), 4096)
-    assert CI.source_metadata_facts(source, 4096, data[:4096]) == expected
+    expected = metadata_facts(data, 4096)
+    assert metadata_facts(source, 4096, data[:4096]) == expected
     assert counted == [4096]  # the tail only: the head edge came from the bytes given
     small = _source(tmp_path / "small", data[:3000], counted)
     counted.clear()
-    assert CI.source_metadata_facts(small, 4096, data[:3000]) == CI.metadata_facts(io.BytesIO(data[:3000]), 4096)
+    assert metadata_facts(small, 4096, data[:3000]) == metadata_facts(data[:3000], 4096)
     assert counted == []  # a file the first read held whole: no read at all
     source.close()
     small.close()

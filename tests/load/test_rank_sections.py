@@ -20,7 +20,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import dcp_cases as C
 from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner, FastSavePlanner
-from fastdcp.format import chunk_index as CI
+from fastdcp.format import index_layout as L
+from fastdcp.format.checksums import crc32c
+from fastdcp.format.index_link import find_chunk_index_name
+from fastdcp.format.index_reader import read_chunk_index
+from fastdcp.format.index_sections import read_index_header, read_rank_section
+from fastdcp.format.index_writer import fits_narrow_records, inner_empty_entries, write_chunk_index
+from fastdcp.io.positional import open_source
 
 WORLD = 4
 SHAPES = {"w": (10, 6), "tiny": (2, 3), "wide": (5, 12)}  # 10 rows on 4 ranks: 3,3,3,1; tiny: 1,1,0,0
@@ -69,19 +75,16 @@ def _load(path: str, mesh, placement, reader, planner) -> tuple[dict, object]:
 
 def _index_path(path) -> str:
     with open(os.path.join(path, ".metadata"), "rb") as f:
-        name = CI.find_chunk_index_name(f.read(4096))
+        name = find_chunk_index_name(f.read(4096))
     assert name is not None
     return os.path.join(path, name)
 
 
 def _section_span(index_path: str, rank: int) -> tuple[int, int]:
-    fd = os.open(index_path, os.O_RDONLY)
-    try:
-        header = CI.read_index_header(fd, "test")
-        entry = os.pread(fd, CI._DIRECTORY_ENTRY.size, header.v2.directory_offset + rank * CI._DIRECTORY_ENTRY.size)
-    finally:
-        os.close(fd)
-    offset, length, _, _ = CI._DIRECTORY_ENTRY.unpack(entry)
+    with open_source(index_path) as source:
+        header = read_index_header(source, "test")
+        entry = os.pread(source.fd, L.DIRECTORY_ENTRY.size, header.v2.directory_offset + rank * L.DIRECTORY_ENTRY.size)
+    offset, length, _, _ = L.DIRECTORY_ENTRY.unpack(entry)
     return offset, length
 
 
@@ -107,7 +110,7 @@ def _damage(path: str, how: str) -> None:
         offset, length = _section_span(index_path, 1)
         _flip(index_path, offset + length // 2)
     elif how == "table":
-        _flip(index_path, CI._HEADER_SIZE + 3)
+        _flip(index_path, L.HEADER_SIZE + 3)
     else:
         os.remove(index_path)
 
@@ -179,7 +182,7 @@ def test_rank_sections_on_real_ranks(tmp_path):
     path = tmp_path / "ckpt"
     md_size = os.path.getsize(path / ".metadata")
     # its first 4 KiB (which hold its head edge), then its tail edge unless the first read held it
-    md_read = min(md_size, 4096) + (min(md_size, CI.SECTION_EDGE_BYTES) if md_size > 4096 else 0)
+    md_read = min(md_size, 4096) + (min(md_size, L.SECTION_EDGE_BYTES) if md_size > 4096 else 0)
     for r in reports:
         same = r["same_layout"]
         assert same["sectioned"] and not same["table_read"], r  # planned from its own section
@@ -210,11 +213,8 @@ def _whole_index_size_check_counts_the_table_part(path) -> None:
     from fastdcp.load import metadata_cache
 
     index_path = _index_path(path)
-    fd = os.open(index_path, os.O_RDONLY)
-    try:
-        table_part = CI.read_index_header(fd, "test").v2.common_offset
-    finally:
-        os.close(fd)
+    with open_source(index_path) as source:
+        table_part = read_index_header(source, "test").v2.common_offset
     md_size = os.path.getsize(path / ".metadata")
     index_size = os.path.getsize(index_path)
     assert table_part < index_size
@@ -261,7 +261,7 @@ def test_sections_hold_each_ranks_rows_and_round_trip(layout):
         table = T.random_table(11, entries=25, max_chunks=6, big=False)
         table.storage.byte_length.clamp_(max=(1 << 31) - 1)
         assert int(table.storage.byte_offset.max()) > 1 << 32 and int(table.storage.byte_length.max()) == (1 << 31) - 1
-    assert CI._fits_narrow_records(table) == (layout == "narrow records")
+    assert fits_narrow_records(table) == (layout == "narrow records")
     ranks = 5
     generator = torch.Generator().manual_seed(3)
     rows, start = [], [0]
@@ -271,18 +271,19 @@ def test_sections_hold_each_ranks_rows_and_round_trip(layout):
         start.append(len(rows))
     table.rank_rows = RankRows(torch.tensor(start), torch.tensor(rows))
     out = io.BytesIO()
-    CI.write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
-    whole = CI.read_chunk_index(out.getvalue(), "test")  # version 2 reads whole as version 1 did
-    assert torch.equal(whole.table.offsets, table.offsets) and whole.edge_bytes == CI.SECTION_EDGE_BYTES
+    write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
+    whole = read_chunk_index(out.getvalue(), "test")  # version 2 reads whole as version 1 did
+    assert torch.equal(whole.table.offsets, table.offsets) and whole.edge_bytes == L.SECTION_EDGE_BYTES
     import tempfile
 
     with tempfile.NamedTemporaryFile() as f:
         f.write(out.getvalue())
         f.flush()
-        header = CI.read_index_header(f.fileno(), "test")
+        source = open_source(f.name)
+        header = read_index_header(source, "test")
         # A section leaves out the chunks with no elements (at the tensor's edge: no load reads
         # them), unless the entry has an empty chunk inside the tensor.
-        inner = set(CI._inner_empty(table))
+        inner = set(inner_empty_entries(table))
         entry_of = table.entry_of_rows().tolist()
 
         def readable(row: int) -> bool:
@@ -291,10 +292,10 @@ def test_sections_hold_each_ranks_rows_and_round_trip(layout):
             return size is None or e in inner or all(table.lengths[row, d] > 0 for d in range(len(size)))
 
         dropped = 0
-        magic = CI._NARROW_SECTION_MAGIC if layout == "narrow records" else CI._SECTION_MAGIC
+        magic = L.NARROW_SECTION_MAGIC if layout == "narrow records" else L.SECTION_MAGIC
         for r in range(ranks):
             assert _section_magic(f.name, r) == magic
-            section = CI.read_rank_section(f.fileno(), header, r, "test")
+            section = read_rank_section(source, header, r, "test")
             mine = [row for row in rows[start[r]:start[r + 1]] if readable(row)]
             dropped += start[r + 1] - start[r] - len(mine)
             assert torch.equal(section.table.offsets, table.offsets[mine])
@@ -306,7 +307,8 @@ def test_sections_hold_each_ranks_rows_and_round_trip(layout):
             assert named == [table.storage.files[i] for i in table.storage.file_index[mine].tolist()]
             entry = table.entry_of_rows()[mine]
             assert section.ordinals.tolist() == (torch.tensor(mine) - table.row_start[entry]).tolist()
-        assert CI.read_rank_section(f.fileno(), header, ranks, "test") is None  # no such rank
+        assert read_rank_section(source, header, ranks, "test") is None  # no such rank
+        source.close()
         assert dropped  # (the random table has empty chunks at edges)
 
 
@@ -321,36 +323,30 @@ def test_a_forged_section_is_refused_naming_it(tmp_path, layout):
     table = T.random_table(12, entries=10, max_chunks=3, big=layout == "int64 records")
     if layout == "narrow records":
         table.storage.byte_length.clamp_(max=(1 << 31) - 1)
-    assert CI._fits_narrow_records(table) == (layout == "narrow records")
+    assert fits_narrow_records(table) == (layout == "narrow records")
     table.rank_rows = RankRows(torch.tensor([0, 2, table.rows]), torch.arange(table.rows))
     out = io.BytesIO()
-    CI.write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
+    write_chunk_index(out, table, **T.extras(), metadata_size=5, metadata_head_crc=6, metadata_tail_crc=7)
     data = bytearray(out.getvalue())
     path = tmp_path / "index"
     path.write_bytes(bytes(data))
     offset, length = _section_span(str(path), 1)
     # A record naming an entry past the table, with the section's CRC recomputed.
-    body_at = offset + CI._SECTION_HEADER.size
+    body_at = offset + L.SECTION_HEADER.size
     if layout == "int64 records":
         data[body_at: body_at + 8] = (10 ** 6).to_bytes(8, "little")
     else:  # the first int32 field, after every row's byte offset and checksum
-        _, _, rows, _, _ = CI._SECTION_HEADER.unpack_from(data, offset)
-        entry_at = body_at + rows * 8 * len(CI._WIDE_FIELDS)
+        _, _, rows, _, _ = L.SECTION_HEADER.unpack_from(data, offset)
+        entry_at = body_at + rows * 8 * len(L.WIDE_FIELDS)
         data[entry_at: entry_at + 4] = (10 ** 6).to_bytes(4, "little")
-    crc = CI.crc32c(bytes(data[offset: offset + length]))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        header = CI.read_index_header(fd, "x")
-        entry_at = header.v2.directory_offset + CI._DIRECTORY_ENTRY.size
-    finally:
-        os.close(fd)
-    data[entry_at: entry_at + CI._DIRECTORY_ENTRY.size] = CI._DIRECTORY_ENTRY.pack(offset, length, crc, 0)
+    crc = crc32c(bytes(data[offset: offset + length]))
+    with open_source(path) as source:
+        header = read_index_header(source, "x")
+        entry_at = header.v2.directory_offset + L.DIRECTORY_ENTRY.size
+    data[entry_at: entry_at + L.DIRECTORY_ENTRY.size] = L.DIRECTORY_ENTRY.pack(offset, length, crc, 0)
     path.write_bytes(bytes(data))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        header = CI.read_index_header(fd, "index 'x'")
+    with open_source(path) as source:
+        header = read_index_header(source, "index 'x'")
         with pytest.raises(CheckpointFormatError, match=r"index 'x'.*section of rank 1.*entry that does not exist"):
-            CI.read_rank_section(fd, header, 1, "index 'x'")
-        assert CI.read_rank_section(fd, header, 0, "index 'x'") is not None
-    finally:
-        os.close(fd)
+            read_rank_section(source, header, 1, "index 'x'")
+        assert read_rank_section(source, header, 0, "index 'x'") is not None

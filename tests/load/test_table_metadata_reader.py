@@ -30,7 +30,8 @@ import dcp_cases as C
 import fastdcp
 from fastdcp import FastFileSystemReader, FastFileSystemWriter, FastLoadPlanner
 from fastdcp.format import table_metadata as TM
-from fastdcp.format.chunk_index import metadata_facts, write_chunk_index
+from fastdcp.format.index_link import metadata_facts
+from fastdcp.format.index_writer import write_chunk_index
 from fastdcp.format.chunk_table import ChunkTable, table_from_metadata, table_to_metadata
 from fastdcp.format.metadata import CheckpointFormatError, parse_metadata
 from fastdcp.format.metadata_emit import write_metadata
@@ -202,7 +203,7 @@ def index_checkpoint(path, *, index_name: str = INDEX, table_edit=None) -> Chunk
     with open(os.path.join(path, ".metadata"), "wb") as f:
         write_metadata(f, table, chunk_index_name=index_name, **extras)
     with open(os.path.join(path, ".metadata"), "rb") as f:
-        size, head, tail = metadata_facts(f)
+        size, head, tail = metadata_facts(f.read())
     with open(os.path.join(path, index_name), "wb") as f:
         write_chunk_index(f, table, metadata_size=size, metadata_head_crc=head, metadata_tail_crc=tail, **extras)
     return table

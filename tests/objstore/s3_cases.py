@@ -24,7 +24,7 @@ def client(endpoint: str):
 
 def index_name(s3, bucket: str, prefix: str) -> str:
     """The chunk index object the checkpoint's ``.metadata`` names in its first bytes."""
-    from fastdcp.format.chunk_index import find_chunk_index_name
+    from fastdcp.format.index_link import find_chunk_index_name
 
     head = s3.get_object(Bucket=bucket, Key=f"{prefix}/.metadata", Range="bytes=0-4095")["Body"].read()
     name = find_chunk_index_name(head)
@@ -32,32 +32,15 @@ def index_name(s3, bucket: str, prefix: str) -> str:
     return name
 
 
-class BytesSource:
-    """Bytes as a positional source (:class:`fastdcp.io.positional.PositionalSource`), to read an
-    index object's parts in a test."""
-
-    def __init__(self, data: bytes, name: str = "test") -> None:
-        self.data, self.name = data, name
-
-    def size(self) -> int:
-        return len(self.data)
-
-    def read_into(self, offset: int, dest: memoryview) -> int:
-        part = self.data[offset:offset + len(dest)]
-        dest[:len(part)] = part
-        return len(part)
-
-    def close(self) -> None:
-        pass
-
-
 def section_span(index: bytes, rank: int) -> tuple[int, int]:
     """(offset, length) of rank ``rank``'s section in a version 2 chunk index."""
-    from fastdcp.format import chunk_index as CI
+    from fastdcp.format.index_layout import DIRECTORY_ENTRY
+    from fastdcp.format.index_sections import read_index_header
+    from fastdcp.format.sources import BufferSource
 
-    header = CI.read_index_header(BytesSource(index), "test")
-    at = header.v2.directory_offset + rank * CI._DIRECTORY_ENTRY.size
-    offset, length, _, _ = CI._DIRECTORY_ENTRY.unpack(index[at:at + CI._DIRECTORY_ENTRY.size])
+    header = read_index_header(BufferSource(index), "test")
+    at = header.v2.directory_offset + rank * DIRECTORY_ENTRY.size
+    offset, length, _, _ = DIRECTORY_ENTRY.unpack(index[at:at + DIRECTORY_ENTRY.size])
     return offset, length
 
 

@@ -19,9 +19,13 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_cases as C
-from s3_cases import BytesSource, client, flipped, index_name, keys, section_span
+from s3_cases import client, flipped, index_name, keys, section_span
 from fastdcp import FastLoadPlanner, FastS3Reader, FastS3Writer, FastSavePlanner, S3Options
-from fastdcp.format import chunk_index as CI
+from fastdcp.format import index_layout as L
+from fastdcp.format.index_link import metadata_facts
+from fastdcp.format.index_reader import read_chunk_index
+from fastdcp.format.index_sections import read_index_header
+from fastdcp.format.sources import BufferSource
 from fastdcp.format.table_metadata import TableMetadata
 
 IMPATIENT = S3Options(max_retries=1, retry_timeout_s=2, connect_timeout_s=2, request_timeout_s=10)
@@ -79,11 +83,9 @@ def test_the_index_goes_up_before_metadata_names_it_and_stock_still_loads(bucket
     assert stored == present | {"ix/.metadata", f"ix/{name}"}
     assert counts.get("LIST", 0) == counts.get("COPY", 0) == counts.get("DELETE", 0) == 0, counts
     # The index records the size and edge CRCs of the .metadata committed with it.
-    import io
-
     metadata = _object(s3, bucket, "ix/.metadata")
-    index = CI.read_chunk_index(_object(s3, bucket, f"ix/{name}"), "test")
-    facts = CI.metadata_facts(io.BytesIO(metadata), index.edge_bytes)
+    index = read_chunk_index(_object(s3, bucket, f"ix/{name}"), "test")
+    facts = metadata_facts(metadata, index.edge_bytes)
     assert (index.metadata_size, index.metadata_head_crc, index.metadata_tail_crc) == facts
     # .metadata stays a complete stock pickle: stock's reader loads the checkpoint.
     dest = _zeros(sd)
@@ -145,7 +147,7 @@ def test_an_unusable_index_falls_back_to_metadata_as_on_local_disk(bucket, s3, h
     if how == "missing":
         s3.delete_object(Bucket=bucket, Key=key)
     elif how == "damaged":
-        s3.put_object(Bucket=bucket, Key=key, Body=flipped(_object(s3, bucket, key), CI._HEADER_SIZE + 3))
+        s3.put_object(Bucket=bucket, Key=key, Body=flipped(_object(s3, bucket, key), L.HEADER_SIZE + 3))
     elif how == "outside the prefix":  # .metadata names "x/..." (same length: the pickle stays whole)
         name = key.removeprefix("fb/")
         metadata = _object(s3, bucket, "fb/.metadata").replace(name.encode(), f"x/{name[2:]}".encode(), 1)
@@ -290,7 +292,7 @@ def _rank_main(rank: int, store: str, url: str, server: str, out: str) -> None:
         index = _object(s3, bucket, key)
         report["sizes"] = {"metadata": s3.head_object(Bucket=bucket, Key=f"{prefix}/.metadata")["ContentLength"],
                            "index": len(index), "section": section_span(index, rank)[1],
-                           "shared": CI.read_index_header(BytesSource(index), "test").v2.common_length}
+                           "shared": read_index_header(BufferSource(index), "test").v2.common_length}
         reader, md = _load_ranks(url, mesh, Shard(0), FastLoadPlanner())
         report["same"] = {"sectioned": isinstance(md, SectionedTableMetadata), "table_read": md.table_loaded,
                           "stats": reader.last_stats}
@@ -335,8 +337,8 @@ def test_two_ranks_each_fetch_their_own_section_and_fall_back_when_the_index_is_
         assert same["sectioned"] and not same["table_read"], r
         stats = same["stats"]
         md = sizes["metadata"]
-        fetched = (min(md, 4096) + (min(md, CI.SECTION_EDGE_BYTES) if md > 4096 else 0) + CI._HEADER_SIZE
-                   + sizes["shared"] + CI._DIRECTORY_ENTRY.size + sizes["section"])
+        fetched = (min(md, 4096) + (min(md, L.SECTION_EDGE_BYTES) if md > 4096 else 0) + L.HEADER_SIZE
+                   + sizes["shared"] + L.DIRECTORY_ENTRY.size + sizes["section"])
         assert stats["metadata_bytes"] == fetched < md + sizes["index"], (stats, sizes)
         assert stats["metadata_requests"] == (6 if md > 4096 else 5), stats
         # Resharded (rows -> columns): the other sections that cover it, not the whole table.

@@ -17,8 +17,10 @@ import tempfile
 import pytest
 import torch
 
-from fastdcp.format import chunk_index as CI
 from fastdcp.format.chunk_table import NO_CHECKSUM, RankRows, StorageColumns, table_from_metadata
+from fastdcp.format.index_sections import read_index_header, read_rank_section
+from fastdcp.format.index_writer import inner_empty_entries, write_chunk_index
+from fastdcp.io.positional import open_source
 from fastdcp.planners import read_items as RI
 from fastdcp.planners.chunk_validation import validate_chunk_table
 
@@ -53,8 +55,8 @@ def _sectioned(table, ranks: int, rng: random.Random):
 
 def _index_file(table) -> str:
     out = io.BytesIO()
-    CI.write_chunk_index(out, table, planner_data=None, storage_meta=None, version="1.0.0", metadata_size=1,
-                         metadata_head_crc=2, metadata_tail_crc=3)
+    write_chunk_index(out, table, planner_data=None, storage_meta=None, version="1.0.0", metadata_size=1,
+                      metadata_head_crc=2, metadata_tail_crc=3)
     f = tempfile.NamedTemporaryFile(delete=False)
     f.write(out.getvalue())
     f.close()
@@ -74,10 +76,9 @@ def test_section_plans_are_the_whole_tables_plan_or_refused(block):
         ranks = rng.randint(2, 5)
         path = _index_file(_sectioned(table, ranks, rng))
         try:
-            fd = os.open(path, os.O_RDONLY)
-            header = CI.read_index_header(fd, "t")
-            sections = {r: CI.read_rank_section(fd, header, r, "t") for r in range(ranks)}
-            os.close(fd)
+            with open_source(path) as source:
+                header = read_index_header(source, "t")
+                sections = {r: read_rank_section(source, header, r, "t") for r in range(ranks)}
         finally:
             os.remove(path)
         for r in range(ranks):
@@ -102,4 +103,4 @@ def test_inner_empty_chunks_are_listed():
     md = Metadata({"inner": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8]), chunks),
                    "edge": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8]),
                                                  [chunks[0], chunks[2], chunks[3]])})
-    assert CI._inner_empty(table_from_metadata(md)) == [0]
+    assert inner_empty_entries(table_from_metadata(md)) == [0]
