@@ -8,7 +8,7 @@ tables. For pieces whose destination lives on a GPU this module decides *how it 
    pool (``fastdcp.io.pinned_pool``), cut into :data:`SLOTS` slots: a reader thread reads batch k
    into slot ``k % SLOTS`` as soon as that slot's previous upload has completed, so the reads of
    the next batches are in flight while a batch travels and the storage queue never drains;
-2. each batch's descriptors (one :class:`BoxCopy` per piece, packed here, validated and simplified by
+2. each batch's descriptors (one :class:`~fastdcp.io.boxes.Box` per piece, packed, validated and simplified by
    ``_C.prepare_boxes``) are written behind the batch's data in the same pinned slot, and the whole
    slot is copied host-to-device with one ``non_blocking`` copy on a side stream into a device
    staging buffer;
@@ -32,7 +32,6 @@ At the start the side stream waits for the current stream, so pending work on th
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -41,12 +40,13 @@ from typing import Any, Callable
 import torch
 
 from .._native import _C
+from ..io.boxes import BOX_BYTES, MAX_BOX_DIMS, Box, box_kinds, pack_boxes
 from ..io.copy_engine import is_standin_device_tensor
 from ..io.phases import span
 from ..io.pinned_pool import PinnedLease, lease_pinned
-from .pieces import MAX_BOX_DIMS, RAW, STAGING_ALIGN, Piece, split_to_budget, staged_read_table
+from .pieces import STAGING_ALIGN, Piece, split_to_budget, staged_read_table
 
-__all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES", "SLOTS", "STANDIN"]
+__all__ = ["gpu_placement_available", "place_on_gpu", "SLOTS", "STANDIN"]
 
 # The device key of stand-in device destinations (fastdcp.io.copy_engine).
 STANDIN = "standin"
@@ -55,55 +55,12 @@ STANDIN = "standin"
 # batch being uploaded, so the storage queue never drains at a batch boundary.
 SLOTS = 4
 
-# struct BoxCopy (csrc/box_copy.hpp): src, dst pointers; int32 ndim, src_kind, dst_kind,
-# src_elem_size, dst_elem_size (+4 bytes padding to 8-byte alignment); int64 shape[8],
-# src_stride[8], dst_stride[8]. Little-endian, 232 bytes = 29 int64 slots.
-_BOX_STRUCT = struct.Struct("<QQiiiii4x8q8q8q")
-BOX_BYTES = _BOX_STRUCT.size
-assert BOX_BYTES == 40 + 3 * 8 * MAX_BOX_DIMS == 232
-
-# c10::ScalarType numbers of the kinds the kernel knows (ScalarKind in csrc/box_copy.hpp).
-_KIND = {
-    torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
-    torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex64: 9, torch.complex128: 10,
-    torch.bool: 11, torch.bfloat16: 15,
-}
-# Kinds the kernel converts between (complex only copies to itself).
-_CONVERTIBLE = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                          torch.float16, torch.bfloat16, torch.float32, torch.float64))
-
-BoxTuple = tuple  # (src, dst, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride)
-
-
 def gpu_placement_available() -> bool:
     """True when the extension has the CUDA kernel and torch sees a GPU."""
     return bool(_C.build_info().get("cuda")) and hasattr(_C, "launch_box_copy") and torch.cuda.is_available()
 
 
-def pack_boxes(boxes: list[BoxTuple]) -> bytearray:
-    """Pack box tuples (the format ``Engine.box_copy`` takes) into BoxCopy's exact memory layout.
-    Unused dimension slots are zero."""
-    out = bytearray(len(boxes) * BOX_BYTES)
-    for i, (src, dst, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride) in enumerate(boxes):
-        ndim = len(shape)
-        if ndim > MAX_BOX_DIMS or len(src_stride) != ndim or len(dst_stride) != ndim:
-            raise ValueError(f"box {i}: {ndim} dims (at most {MAX_BOX_DIMS}) or mismatched strides")
-        pad = (0,) * (MAX_BOX_DIMS - ndim)
-        _BOX_STRUCT.pack_into(out, i * BOX_BYTES, src, dst, ndim, src_kind, dst_kind, src_elem, dst_elem,
-                              *shape, *pad, *src_stride, *pad, *dst_stride, *pad)
-    return out
-
-
-def _kinds(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> tuple[int, int] | None:
-    """Kernel kinds for a copy, or None when the kernel cannot do it."""
-    if src_dtype == dst_dtype:
-        return RAW, RAW  # a byte copy of any dtype
-    if src_dtype in _CONVERTIBLE and dst_dtype in _CONVERTIBLE:
-        return _KIND[src_dtype], _KIND[dst_dtype]
-    return None
-
-
-def _kernel_box(piece: Piece, src_address: int) -> BoxTuple | None:
+def _kernel_box(piece: Piece, src_address: int) -> Box | None:
     """The kernel descriptor placing ``piece`` from device memory at ``src_address``, or None when
     the piece must go through ``Tensor.copy_``."""
     dest = piece.dest
@@ -111,11 +68,11 @@ def _kernel_box(piece: Piece, src_address: int) -> BoxTuple | None:
         return None
     if any(s == 0 and n > 1 for s, n in zip(dest.stride(), dest.shape)):
         return None  # overlapping destination: let torch raise its own error
-    kinds = _kinds(piece.src_dtype, dest.dtype)
+    kinds = box_kinds(piece.src_dtype, dest.dtype)
     if kinds is None:
         return None
-    return (src_address, dest.data_ptr(), kinds[0], kinds[1], piece.src_dtype.itemsize, dest.element_size(),
-            piece.shape, piece.src_stride, tuple(dest.stride()))
+    return Box(src_address, dest.data_ptr(), kinds[0], kinds[1], piece.src_dtype.itemsize, dest.element_size(),
+               piece.shape, piece.src_stride, tuple(dest.stride()))
 
 
 def _align(n: int, a: int = STAGING_ALIGN) -> int:
@@ -401,7 +358,7 @@ def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int,
             slot_offset = (index % slots) * largest
             base = pinned.data_ptr() + slot_offset
             device_base = device_staging.data_ptr()
-            boxes: list[BoxTuple] = []
+            boxes: list[Box] = []
             fallbacks: list[tuple[Piece, int]] = []
             for piece, offset in batch:
                 box = _kernel_box(piece, device_base + offset)
@@ -427,7 +384,7 @@ def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int,
                 recorded[index].set()
                 if boxes and total:
                     ops.launch(side, device_base + table_offset, device_base + prefix_offset, len(boxes), total,
-                               any(b[2] != b[3] for b in boxes))
+                               any(b.src_kind != b.dst_kind for b in boxes))
                 for piece, offset in fallbacks:
                     raw = device_staging[offset : offset + piece.span_nbytes].view(piece.src_dtype)
                     ops.fallback_copy(side, piece.dest, raw.as_strided(piece.shape, piece.src_stride,

@@ -18,13 +18,12 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from .._native import _C
+from ..io.boxes import MAX_BOX_DIMS, RAW, Box
 from ..io.engine import IoOptions
 from ..io.copy_engine import is_standin_device_tensor
 from ..io.cuda_build import warn_if_slow_gpu_path
 from . import gpu_placement
 from .pieces import (
-    MAX_BOX_DIMS,
-    RAW,
     REQUEST_COST_BYTES,
     REQUEST_COST_BYTES_DIRECT,
     STAGING_ALIGN,
@@ -38,7 +37,7 @@ from .pieces import (
 __all__ = ["run_placements"]
 
 
-def _copy_box(boxes: list[tuple], piece: Piece, src_address: int, src_holder: torch.Tensor, src_offset: int) -> None:
+def _copy_box(boxes: list[Box], piece: Piece, src_address: int, src_holder: torch.Tensor, src_offset: int) -> None:
     """Queue a native box copy (same dtype, CPU destination), or copy now with ``Tensor.copy_``.
 
     Dtype conversions use torch's own ``copy_``, exactly what the stock reader does: torch's
@@ -54,7 +53,7 @@ def _copy_box(boxes: list[tuple], piece: Piece, src_address: int, src_holder: to
     )
     if native:
         size = piece.src_dtype.itemsize
-        boxes.append((src_address, dest.data_ptr(), RAW, RAW, size, size, piece.shape, piece.src_stride, dest.stride()))
+        boxes.append(Box(src_address, dest.data_ptr(), RAW, RAW, size, size, piece.shape, piece.src_stride, dest.stride()))
         return
     raw = src_holder[src_offset : src_offset + piece.span_nbytes]
     if src_address % piece.src_dtype.itemsize:
@@ -83,13 +82,13 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
             stats["requests"] += t.shape[0]
             stats["bytes_read"] += int(t[:, 2].sum())
 
-    def place(boxes: list[tuple]) -> None:
+    def place(boxes: list[Box]) -> None:
         if boxes:
             started = time.perf_counter()
             engine.box_copy(boxes)
             stats["place_seconds"] += time.perf_counter() - started
 
-    boxes: list[tuple] = []
+    boxes: list[Box] = []
     run_tables: list[tuple] = []
     staged: list[Piece] = []
     # --- Device destinations (fastdcp/load/gpu_placement.py): pieces for CUDA tensors are collected
@@ -165,7 +164,7 @@ def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats:
 
     def place_batch(index: int) -> None:
         half_offset = (index % halves) * largest
-        copies: list[tuple] = []
+        copies: list[Box] = []
         for p, off in batches[index]:
             _copy_box(copies, p, staging.data_ptr() + half_offset + off, staging, half_offset + off)
         place(copies)
