@@ -45,6 +45,7 @@ from ..io.copy_engine import is_standin_device_tensor
 from ..io.phases import span
 from ..io.pinned_pool import PinnedLease, lease_pinned
 from .pieces import STAGING_ALIGN, Piece, split_to_budget, staged_read_table
+from .placement_stats import PlacementStats
 
 __all__ = ["gpu_placement_available", "place_on_gpu", "SLOTS", "STANDIN"]
 
@@ -94,7 +95,7 @@ def _new_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def place_on_gpu(pieces: list[Piece], half_budget: int, request_cost: int, stats: dict,
+def place_on_gpu(pieces: list[Piece], half_budget: int, request_cost: int, stats: PlacementStats,
                  read: Callable[[list[tuple]], None]) -> None:
     """Read and place every piece (CUDA or stand-in device destinations); returns once every copy
     is complete on the device (any stream sees the bytes). ``read`` reads run tables as
@@ -253,7 +254,7 @@ def _standin_engine() -> Any:
 
 
 def _place_on_device(ops: Any, pieces: list[Piece], half_budget: int, request_cost: int,
-                     stats: dict, read: Callable[[list[tuple]], None]) -> None:
+                     stats: PlacementStats, read: Callable[[list[tuple]], None]) -> None:
     # The reader's staging budget (two halves) is cut into SLOTS slots; a batch fills one. A window
     # piece too large for a slot (less room for its descriptor) becomes staged parts read from the file.
     slot_budget = max(2 * STAGING_ALIGN, 2 * half_budget // SLOTS // STAGING_ALIGN * STAGING_ALIGN)
@@ -297,7 +298,8 @@ class _Cancelled(Exception):
 
 
 def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int, pinned: torch.Tensor,
-                 side: Any, current: Any, stats: dict, read: Callable[[list[tuple]], None], request_cost: int) -> None:
+                 side: Any, current: Any, stats: PlacementStats, read: Callable[[list[tuple]], None],
+                 request_cost: int) -> None:
     """Steps 1-5 of the module docstring for ``batches``, through ``pinned`` (``slots`` slots of
     ``largest`` bytes): a reader thread reads batch k into slot ``k % slots`` as soon as the upload
     of batch ``k - slots`` from it has completed, while this thread packs, uploads and places the
@@ -307,12 +309,10 @@ def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int,
     uploaded: list[Any] = [None] * len(batches)
     recorded = [threading.Event() for _ in batches]  # set once uploaded[k] exists (or the load stops)
     stopping = threading.Event()
-    stats["gpu_pieces"] = stats.get("gpu_pieces", 0) + pieces
-    stats["gpu_batches"] = stats.get("gpu_batches", 0) + len(batches)
-    stats["gpu_staging_bytes"] = max(stats.get("gpu_staging_bytes", 0), pinned.numel())
-    stats["gpu_slots"] = slots
-    stats.setdefault("gpu_kernel_boxes", 0)
-    stats.setdefault("gpu_fallback_copies", 0)
+    stats.gpu_pieces += pieces
+    stats.gpu_batches += len(batches)
+    stats.gpu_staging_bytes = max(stats.gpu_staging_bytes, pinned.numel())
+    stats.gpu_slots = slots
 
     def read_batch(index: int) -> int:
         """Fill batch ``index``'s slot (reader thread); returns its data bytes. After a failure
@@ -389,8 +389,8 @@ def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int,
                     raw = device_staging[offset : offset + piece.span_nbytes].view(piece.src_dtype)
                     ops.fallback_copy(side, piece.dest, raw.as_strided(piece.shape, piece.src_stride,
                                                                        raw.storage_offset()))
-            stats["gpu_kernel_boxes"] += len(boxes)
-            stats["gpu_fallback_copies"] += len(fallbacks)
+            stats.gpu_kernel_boxes += len(boxes)
+            stats.gpu_fallback_copies += len(fallbacks)
     except BaseException:
         stopping.set()
         for event in recorded:

@@ -23,6 +23,7 @@ from ..io.engine import IoOptions
 from ..io.copy_engine import is_standin_device_tensor
 from ..io.cuda_build import warn_if_slow_gpu_path
 from . import gpu_placement
+from .placement_stats import PlacementStats
 from .pieces import (
     REQUEST_COST_BYTES,
     REQUEST_COST_BYTES_DIRECT,
@@ -63,30 +64,26 @@ def _copy_box(boxes: list[Box], piece: Piece, src_address: int, src_holder: torc
 
 
 def run_placements(engine: "_C.Engine", placements: list[Placement], planner: LoadPlanner,
-                   options: IoOptions, direct: bool) -> dict[str, float]:
+                   options: IoOptions, direct: bool) -> PlacementStats:
     """Read and place every piece, then commit every item. Returns counters for benchmarks:
     bytes needed vs. read, requests issued, staging use, and seconds per phase."""
-    stats: dict[str, float] = {
-        "bytes_needed": 0, "bytes_read": 0, "requests": 0, "window_pieces": 0, "runs_pieces": 0,
-        "staged_pieces": 0, "staging_batches": 0, "max_staging_bytes": 0, "read_seconds": 0.0,
-        "place_seconds": 0.0,
-    }
+    stats = PlacementStats()
     request_cost = REQUEST_COST_BYTES_DIRECT if direct else REQUEST_COST_BYTES
     half_budget = max(STAGING_ALIGN, options.read_buffer_limit_bytes // 2 // STAGING_ALIGN * STAGING_ALIGN)
 
     def read(tables: list[tuple]) -> None:
         started = time.perf_counter()
         engine.read_runs([(f, t.data_ptr(), t.shape[0]) for f, t in tables], direct)
-        stats["read_seconds"] += time.perf_counter() - started
+        stats.read_seconds += time.perf_counter() - started
         for _, t in tables:
-            stats["requests"] += t.shape[0]
-            stats["bytes_read"] += int(t[:, 2].sum())
+            stats.requests += t.shape[0]
+            stats.bytes_read += int(t[:, 2].sum())
 
     def place(boxes: list[Box]) -> None:
         if boxes:
             started = time.perf_counter()
             engine.box_copy(boxes)
-            stats["place_seconds"] += time.perf_counter() - started
+            stats.place_seconds += time.perf_counter() - started
 
     boxes: list[Box] = []
     run_tables: list[tuple] = []
@@ -108,17 +105,17 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
     # --- end device destinations
     for placement in placements:
         for piece in placement.pieces:
-            stats["bytes_needed"] += math.prod(piece.shape) * piece.src_dtype.itemsize
+            stats.bytes_needed += math.prod(piece.shape) * piece.src_dtype.itemsize
             if on_device(piece.dest):  # device destinations
-                stats["window_pieces"] += int(piece.mode == "window")
+                stats.window_pieces += int(piece.mode == "window")
                 gpu_pieces.append(piece)
             elif piece.mode == "window":
-                stats["window_pieces"] += 1
+                stats.window_pieces += 1
                 assert piece.window_tensor is not None
                 _copy_box(boxes, piece, piece.window_tensor.data_ptr() + piece.window_offset,
                           piece.window_tensor, piece.window_offset)
             elif piece.mode == "runs":
-                stats["runs_pieces"] += 1
+                stats.runs_pieces += 1
                 run_tables.append((piece.file, direct_run_table(piece)))
             else:
                 staged.extend(split_to_budget(piece, half_budget))
@@ -138,7 +135,8 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
     return stats
 
 
-def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats: dict, read, place) -> None:
+def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats: PlacementStats, read,
+                place) -> None:
     """Stream staged pieces through a two-half staging buffer: batch i+1 is read (engine threads,
     GIL released) while batch i is placed."""
     staged.sort(key=lambda p: (p.file.path, p.span_start))
@@ -154,9 +152,9 @@ def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats:
     largest = max(sum(-(-p.span_nbytes // STAGING_ALIGN) * STAGING_ALIGN for p, _ in b) for b in batches)
     halves = 2 if len(batches) > 1 else 1
     staging = torch.empty(largest * halves, dtype=torch.uint8)
-    stats["staging_batches"] = len(batches)
-    stats["max_staging_bytes"] = staging.numel()
-    stats["staged_pieces"] = len(staged)
+    stats.staging_batches = len(batches)
+    stats.max_staging_bytes = staging.numel()
+    stats.staged_pieces = len(staged)
 
     def read_batch(index: int) -> None:
         base = staging.data_ptr() + (index % halves) * largest

@@ -4,7 +4,7 @@ Three layers:
 
 * CPU, always run: the kinds/strides of the kernel descriptors checked by running them through the
   CPU box copy (their packed layout: ``tests/io/test_boxes.py``).
-* CPU, always run: the whole GPU pipeline (batching, pinned halves, descriptor tables and prefix
+* CPU, always run: the whole GPU pipeline (batching, pinned slots, descriptor tables and prefix
   behind the data, fallbacks, stream/event calls) with the CUDA pieces replaced by CPU fakes: the
   fake kernel decodes the uploaded table (``fastdcp.io.boxes.unpack_boxes``) and executes it with
   the CPU box copy.
@@ -28,6 +28,7 @@ import fastdcp.load.gpu_placement as G
 import fastdcp.load.reader as reader_module
 from fastdcp import FastFileSystemReader, _C
 from fastdcp.io.boxes import BOX_BYTES, Box, unpack_boxes
+from fastdcp.load.placement_stats import PlacementStats
 
 _skip_without_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and fastdcp.build_info().get("cuda")),
@@ -190,13 +191,13 @@ class _FakeCuda:
                                                            launch_box_copy=self.launch_box_copy))
 
         def run_everything_as_gpu(engine, placements, planner, options, direct):
-            stats = {"bytes_read": 0, "requests": 0}
+            stats = PlacementStats()
 
             def read(tables):
                 engine.read_runs([(f, t.data_ptr(), t.shape[0]) for f, t in tables], direct)
                 for _, t in tables:
-                    stats["requests"] += t.shape[0]
-                    stats["bytes_read"] += int(t[:, 2].sum())
+                    stats.requests += t.shape[0]
+                    stats.bytes_read += int(t[:, 2].sum())
 
             half = max(64, options.read_buffer_limit_bytes // 2 // 64 * 64)
             pieces = [p for pl in placements for p in pl.pieces]
