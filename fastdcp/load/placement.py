@@ -2,17 +2,17 @@
 
 Pieces read straight into their destination go out as one batch of run tables. The others are
 read into staging memory: one buffer of at most ``IoOptions.read_buffer_limit_bytes``, reused for the
-whole load as two halves, so the next batch is read into one half while the previous one is
-placed from the other (a piece larger than a half is split along its outer dimensions first) by
-the native batched box copy. Pieces whose destination is a GPU tensor go to
-:mod:`fastdcp.load.gpu_placement`. Every item is committed to the planner at the end.
+whole load as two halves (a :class:`~fastdcp.io.staging_pipeline.StagingPipeline` of two slots), so
+the next batch is read into one half while the previous one is placed from the other (a piece
+larger than a half is split along its outer dimensions first) by the native batched box copy.
+Pieces whose destination is a GPU tensor go to :mod:`fastdcp.load.gpu_placement`. Every item is
+committed to the planner at the end.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner
@@ -22,6 +22,7 @@ from ..io.boxes import MAX_BOX_DIMS, RAW, Box
 from ..io.engine import IoOptions
 from ..io.copy_engine import is_standin_device_tensor
 from ..io.cuda_build import warn_if_slow_gpu_path
+from ..io.staging_pipeline import Filled, StagingPipeline
 from . import gpu_placement
 from .placement_stats import PlacementStats
 from .pieces import (
@@ -137,8 +138,8 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
 
 def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats: PlacementStats, read,
                 place) -> None:
-    """Stream staged pieces through a two-half staging buffer: batch i+1 is read (engine threads,
-    GIL released) while batch i is placed."""
+    """Stream staged pieces through a two-half staging buffer (``fastdcp.io.staging_pipeline``):
+    batch i+1 is read (reader thread, GIL released) while batch i is placed."""
     staged.sort(key=lambda p: (p.file.path, p.span_start))
     batches: list[list[tuple[Piece, int]]] = [[]]
     used = 0
@@ -156,22 +157,16 @@ def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats:
     stats.max_staging_bytes = staging.numel()
     stats.staged_pieces = len(staged)
 
-    def read_batch(index: int) -> None:
-        base = staging.data_ptr() + (index % halves) * largest
+    def read_batch(index: int, half: torch.Tensor) -> None:
+        base = half.data_ptr()
         read([(p.file, staged_read_table(p, base + off, request_cost)) for p, off in batches[index]])
 
-    def place_batch(index: int) -> None:
-        half_offset = (index % halves) * largest
+    def place_batch(items: list[Filled]) -> None:
+        ((index, half, _),) = items
+        half_offset = half.data_ptr() - staging.data_ptr()
         copies: list[Box] = []
         for p, off in batches[index]:
-            _copy_box(copies, p, staging.data_ptr() + half_offset + off, staging, half_offset + off)
+            _copy_box(copies, p, half.data_ptr() + off, staging, half_offset + off)
         place(copies)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdcp-read") as reader:
-        pending = reader.submit(read_batch, 0)
-        for index in range(len(batches)):
-            pending.result()
-            if index + 1 < len(batches):
-                # The other half is free: its batch was placed in the previous iteration.
-                pending = reader.submit(read_batch, index + 1)
-            place_batch(index)
+    StagingPipeline(largest, halves, staging).run(len(batches), read_batch, place_batch, fill_thread="fastdcp-read")

@@ -57,7 +57,8 @@ from .commit import (CommittedMetadata, claim_token, commit_metadata, remove_par
 from .crash_points import crash_point
 from ..io.copy_engine import DeviceCopier, is_device_tensor
 from ..io.pinned_pool import lease_pinned
-from .device_ring import DeviceRing, cut_ranges, write_device_images
+from ..io.staging_pipeline import StagingPipeline
+from .device_ring import cut_ranges, write_device_images
 from .file_image import UNLOADABLE_DTYPES, FilePlan, record_checksums, round_up, tensor_for_writing
 from .file_split import split_into_files
 from .guard import guarded_storage_keys
@@ -529,8 +530,7 @@ class FastFileSystemWriter(FileSystemWriter):
         ]
         with span("pin"):
             lease = lease_pinned(slot_bytes * slots)
-        with lease:
-            ring = DeviceRing(slot_bytes, slots, lease.tensor)
+        with StagingPipeline.from_lease(lease, slot_bytes, slots) as ring:
             write_device_images(engine, handles, ranges, ring, _make_copier(), batch=batch, writes_in_flight=in_flight)
 
     # ----------------------------------------------------------------------------------------- #

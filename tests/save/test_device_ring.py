@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 import dcp_cases as C
 from stand_in_copier import DeferredCopier, cpu_as_device  # noqa: F401 - a fixture
 from fastdcp import FastFileSystemWriter, _C
-from fastdcp.save.device_ring import DeviceRing, cut_ranges, interleave, write_device_images
+from fastdcp.io.staging_pipeline import StagingPipeline
+from fastdcp.save.device_ring import cut_ranges, interleave, write_device_images
 from fastdcp.save.writer import ring_shape
 from fastdcp.io.engine import DIRECT_ALIGN, IoOptions, get_engine
 from fastdcp.io.pinned_pool import pinned_pool_stats, reset_pinned_pool
@@ -76,8 +77,8 @@ def test_cut_ranges_partition_the_image(seed):
     assert bytes(rebuilt) == _image(size, segments, device)
 
 
-def _ring(slot_bytes: int, slots: int) -> DeviceRing:
-    return DeviceRing(slot_bytes, slots, torch.empty(slot_bytes * slots, dtype=torch.uint8))
+def _ring(slot_bytes: int, slots: int) -> StagingPipeline:
+    return StagingPipeline(slot_bytes, slots, torch.empty(slot_bytes * slots, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("direct", [False, True])
@@ -308,7 +309,7 @@ def test_direct_ranges_are_written_from_their_slots_without_bounce_copies(tmp_pa
     from fastdcp.io.host_memory import allocate_slab
 
     # page-aligned memory, as the pinned pool's (torch.empty is only 64-byte aligned)
-    ring = DeviceRing(DIRECT_ALIGN * 8, 4, allocate_slab(DIRECT_ALIGN * 32, pin=False).tensor)
+    ring = StagingPipeline(DIRECT_ALIGN * 8, 4, allocate_slab(DIRECT_ALIGN * 32, pin=False).tensor)
     # slots hold stale bytes from an earlier use: gaps must come out zero anyway
     ring.memory.fill_(0xAB)
     engine = _C.Engine(2, DIRECT_ALIGN * 4)
