@@ -140,7 +140,7 @@ def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob],
     file, ``batch`` ranges per engine call, up to ``writes_in_flight`` engine calls at once (each on
     a thread of its own; the engine queues their tasks, so its threads go from one batch to the next
     without waiting for the slowest write of a batch), copies ahead into every free slot. Returns
-    once every range is written; on an error, once no write still reads a slot.
+    once every range is written; on an error, once no write or copy still uses a slot.
     Preconditions: ``1 <= batch`` and ``writes_in_flight * batch <= ring.slots``."""
     if batch < 1 or writes_in_flight < 1 or writes_in_flight * batch > ring.slots:
         raise ValueError(f"{writes_in_flight} writes in flight of a batch of {batch} ranges need "
@@ -174,5 +174,15 @@ def write_device_images(engine: Any, handles: list[Any], ranges: list[RangeJob],
             jobs.append((handles[job.file_index], job.start, job.end, segments))
         return lambda: engine.write(jobs)
 
+    def wait_for_copies() -> None:
+        """After a failure: the copies still landing in slots, waited for before the ring's memory
+        can go back to the pool (their own errors are not the one to raise)."""
+        for token in tokens.values():
+            try:
+                copier.wait(token)
+            except BaseException:  # noqa: BLE001
+                pass
+
     ring.run(len(order), issue, write, uses_slot=lambda k: bool(order[k].device), issue_span="d2h_issue",
-             batch=batch, drains_in_flight=writes_in_flight, drain_thread="fastdcp-ring-write", drain_span="write")
+             batch=batch, drains_in_flight=writes_in_flight, drain_thread="fastdcp-ring-write", drain_span="write",
+             on_error=wait_for_copies)

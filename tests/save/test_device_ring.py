@@ -203,15 +203,17 @@ def test_a_failed_write_is_raised_after_every_lane_stopped(tmp_path, in_flight):
     engine = _FailingEngine(get_engine(IoOptions.resolve(direct_io=False, default_direct_io=False, io_threads=4,
                                                          task_bytes=None)), fail_at=3)
     handles = [_C.File(str(tmp_path / f"image{i}"), "w", False) for i in range(3)]
+    copier = DeferredCopier()
     try:
         ranges = [job for i, (segments, device, size) in enumerate(images)
                   for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
         with pytest.raises(OSError, match="injected"):
-            write_device_images(engine, handles, ranges, ring, DeferredCopier(), batch=3, writes_in_flight=in_flight)
+            write_device_images(engine, handles, ranges, ring, copier, batch=3, writes_in_flight=in_flight)
     finally:
         for handle in handles:
             handle.close()
     assert engine.active == 0, "a write lane still ran after the error was raised"
+    assert copier.tokens > 0 and not copier.pending, "a copy issued ahead may still land in the ring's memory"
     assert engine.most == in_flight
     assert not [t for t in threading.enumerate() if t.name.startswith("fastdcp-ring-write")]
 
