@@ -111,8 +111,11 @@ class StagingPipeline:
         ``drain(items)`` gets ``batch`` items in order and returns None (done) or a callable run in
         flight: inline under ``drain_span`` or, with ``drains_in_flight > 1``, on a thread of its
         own (waited for under ``drain_span``); the items' slots are released once it has returned.
-        ``fill_thread``: fill on a thread of that name, else on the caller. ``on_error``: runs after
-        a failure once no fill or drain of this run is still running, before the error is raised."""
+        ``fill_thread``: fill on a thread of that name (then one item per drain, on the caller), else
+        on the caller. ``on_error``: runs after a failure once no fill or drain of this run is still
+        running, before the error is raised."""
+        if fill_thread is not None and (batch != 1 or drains_in_flight != 1):
+            raise ValueError("fills on a filler thread are drained one at a time on the caller")
         ranks, used = [], 0
         for k in range(count):
             takes = uses_slot is None or uses_slot(k)

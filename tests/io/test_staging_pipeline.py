@@ -235,6 +235,8 @@ def test_caller_fills_respect_the_slots_and_skip_items_without_one():
 def test_a_batch_needing_more_slots_than_there_are_is_refused():
     with pytest.raises(AssertionError, match="fewer free slots than a batch"):
         _pipeline(2).run(5, lambda k, slot: None, lambda items: None, batch=3)
+    with pytest.raises(ValueError, match="one at a time"):
+        _pipeline(2).run(5, lambda k, slot: None, lambda items: None, batch=2, fill_thread="fastdcp-test-fill")
 
 
 @pytest.mark.parametrize("where", ["fill", "drain"])
