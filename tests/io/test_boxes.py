@@ -11,6 +11,9 @@ from fastdcp import _C
 from fastdcp.io import boxes as B
 from fastdcp.io.boxes import BOX_BYTES, Box, pack_boxes, unpack_boxes
 
+if not hasattr(_C, "box_copy_layout"):  # an extension built before box_copy_layout existed
+    pytest.fail("fastdcp._C has no box_copy_layout(): rebuild it (python setup.py build_ext --inplace)",
+                pytrace=False)
 NATIVE = _C.box_copy_layout()
 
 
