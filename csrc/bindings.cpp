@@ -23,9 +23,11 @@
 
 #include <fcntl.h>
 
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <tuple>
+#include <utility>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -171,6 +173,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         "seed (the CRC of the bytes before it), computed with the GIL released.");
   m.def("box_copy_size", [] { return sizeof(fastdcp::BoxCopy); },
         "sizeof(BoxCopy): the packed descriptor size prepare_boxes and launch_box_copy expect.");
+  m.def(
+    "box_copy_layout",
+    [] {
+      using fastdcp::BoxCopy;
+      using fastdcp::ScalarKind;
+      py::dict offsets;
+      offsets["src"] = offsetof(BoxCopy, src);
+      offsets["dst"] = offsetof(BoxCopy, dst);
+      offsets["ndim"] = offsetof(BoxCopy, ndim);
+      offsets["src_kind"] = offsetof(BoxCopy, src_kind);
+      offsets["dst_kind"] = offsetof(BoxCopy, dst_kind);
+      offsets["src_elem_size"] = offsetof(BoxCopy, src_elem_size);
+      offsets["dst_elem_size"] = offsetof(BoxCopy, dst_elem_size);
+      offsets["shape"] = offsetof(BoxCopy, shape);
+      offsets["src_stride"] = offsetof(BoxCopy, src_stride);
+      offsets["dst_stride"] = offsetof(BoxCopy, dst_stride);
+      py::dict kinds;
+      const std::pair<const char*, ScalarKind> named[] = {
+        {"raw", ScalarKind::kRawBytes}, {"uint8", ScalarKind::kUInt8},         {"int8", ScalarKind::kInt8},
+        {"int16", ScalarKind::kInt16},  {"int32", ScalarKind::kInt32},         {"int64", ScalarKind::kInt64},
+        {"float16", ScalarKind::kFloat16}, {"float32", ScalarKind::kFloat32},  {"float64", ScalarKind::kFloat64},
+        {"complex64", ScalarKind::kComplex64}, {"complex128", ScalarKind::kComplex128},
+        {"bool", ScalarKind::kBool},    {"bfloat16", ScalarKind::kBFloat16}};
+      for (const auto& [name, kind] : named) { kinds[name] = static_cast<int32_t>(kind); }
+      py::dict layout;
+      layout["size"] = sizeof(BoxCopy);
+      layout["align"] = alignof(BoxCopy);
+      layout["max_dims"] = fastdcp::kMaxBoxDims;
+      layout["offsets"] = offsets;
+      layout["kinds"] = kinds;
+      return layout;
+    },
+    "struct BoxCopy as compiled: size, alignment, max_dims, each field's byte offset and the "
+    "ScalarKind numbers by dtype name (what fastdcp.io.boxes packs must match).");
   m.def("prepare_boxes", &prepare_boxes, py::arg("table_address"), py::arg("num_boxes"),
         py::arg("prefix_address"),
         "Validate and simplify packed BoxCopy descriptors in place (host memory) and write their "

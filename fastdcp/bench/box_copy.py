@@ -24,10 +24,11 @@ default list.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from ..io.boxes import BOX_BYTES, RAW, Box, pack_boxes
 from .state import VerificationError
 
 SCENARIO = "box_copy"
@@ -42,20 +43,18 @@ def _matrix_rows(total_bytes: int) -> int:
 
 
 def _pieces(layout: str, src: torch.Tensor, dests: list[torch.Tensor]
-            ) -> tuple[list[tuple[Any, ...]], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The pieces that place consecutive bytes of the flat `src` buffer into `dests`: as box tuples
-    (the Engine.box_copy / pack_boxes format) and as (source view, destination view) pairs."""
-    from ..load.pieces import RAW
-
-    boxes: list[tuple[Any, ...]] = []
+            ) -> tuple[list[Box], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The pieces that place consecutive bytes of the flat `src` buffer into `dests`: as boxes
+    (``fastdcp.io.boxes``) and as (source view, destination view) pairs."""
+    boxes: list[Box] = []
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     offset = 0
     for d in dests:
         cols = d.shape[1]
         for part in [d] if layout == "same" else [d[:, : cols // 2], d[:, cols // 2:]]:
             elem, n = part.element_size(), part.numel() * part.element_size()
-            boxes.append((src.data_ptr() + offset, part.data_ptr(), RAW, RAW, elem, elem, tuple(part.shape),
-                          (part.shape[1], 1), tuple(part.stride())))
+            boxes.append(Box(src.data_ptr() + offset, part.data_ptr(), RAW, RAW, elem, elem, tuple(part.shape),
+                             (part.shape[1], 1), tuple(part.stride())))
             pairs.append((src[offset: offset + n].view(part.dtype).view(part.shape), part))
             offset += n
     return boxes, pairs
@@ -80,11 +79,10 @@ def _verify(pairs: list[tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
             raise VerificationError(f"{what}: piece {i} differs from its source after the copy")
 
 
-def _kernel_copy(boxes: list[tuple[Any, ...]], device: torch.device) -> Callable[[], None]:
+def _kernel_copy(boxes: list[Box], device: torch.device) -> Callable[[], None]:
     """One launch of the box-copy kernel for every box, on the current stream; the descriptors
     are prepared once (as a load does per batch) and live in device memory."""
     from .._native import _C
-    from ..load.gpu_placement import BOX_BYTES, pack_boxes
 
     n = len(boxes)
     table_bytes = n * BOX_BYTES
@@ -94,7 +92,7 @@ def _kernel_copy(boxes: list[tuple[Any, ...]], device: torch.device) -> Callable
     table = host.to(device)
     stream = torch.cuda.current_stream(device)
 
-    any_conversion = any(b[2] != b[3] for b in boxes)
+    any_conversion = any(b.src_kind != b.dst_kind for b in boxes)
 
     def run() -> None:
         _C.launch_box_copy(table.data_ptr(), table.data_ptr() + table_bytes, n, total, stream.cuda_stream,

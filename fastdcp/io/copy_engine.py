@@ -35,6 +35,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .boxes import Box
+
 __all__ = ["Copier", "CudaCopier", "StandInCopier", "DeviceCopier", "is_device_tensor", "to_standin_device",
            "is_standin_device_tensor"]
 
@@ -265,14 +267,14 @@ def batch_jobs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[tup
     return jobs, rest
 
 
-def _byte_box(dst: torch.Tensor, src: torch.Tensor) -> tuple | None:
+def _byte_box(dst: torch.Tensor, src: torch.Tensor) -> Box | None:
     """A byte-copy descriptor of the native ``box_copy`` for ``dst.copy_(src)`` when both are
     contiguous CPU tensors of one dtype and shape (else None)."""
     if (src.device.type != "cpu" or dst.device.type != "cpu" or src.dtype != dst.dtype or src.shape != dst.shape
             or not src.is_contiguous() or not dst.is_contiguous() or src.is_conj() or src.is_neg()):
         return None
     nbytes = src.numel() * src.element_size()
-    return (src.data_ptr(), dst.data_ptr(), -1, -1, 1, 1, [nbytes], [1], [1]) if nbytes else None
+    return Box.of_bytes(src.data_ptr(), dst.data_ptr(), nbytes) if nbytes else None
 
 
 def _run_copies(work: queue.SimpleQueue, owner: "weakref.ref[StandInCopier]", threads: int) -> None:

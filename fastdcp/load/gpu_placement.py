@@ -1,52 +1,33 @@
-"""Placement of stored tensor bytes into CUDA destination tensors.
+"""Placement of stored tensor bytes into GPU (CUDA or stand-in device) destination tensors.
 
-The CPU placement (:mod:`fastdcp.load.pieces`) decides *what* to read: pieces, their spans and run
-tables. For pieces whose destination lives on a GPU this module decides *how it gets there*:
-
-1. the needed bytes are read (the same run tables as the CPU ``staged`` mode; ``window`` pieces are
-   copied from the header pass's memory) into **pinned** host staging leased from the process-wide
-   pool (``fastdcp.io.pinned_pool``), cut into :data:`SLOTS` slots: a reader thread reads batch k
-   into slot ``k % SLOTS`` as soon as that slot's previous upload has completed, so the reads of
-   the next batches are in flight while a batch travels and the storage queue never drains;
-2. each batch's descriptors (one :class:`BoxCopy` per piece, packed here, validated and simplified by
-   ``_C.prepare_boxes``) are written behind the batch's data in the same pinned slot, and the whole
-   slot is copied host-to-device with one ``non_blocking`` copy on a side stream into a device
-   staging buffer;
-3. one ``_C.launch_box_copy`` on the side stream places every box of the batch (N-D boxes, any
-   destination strides, dtype conversion with CUDA's rules, as torch on CUDA); pieces the kernel
-   cannot handle (a dtype pair it does not convert, conj/neg views, more than 8 dims, overlapping
-   destinations) are copied with ``Tensor.copy_`` on the same side stream instead; a batch with no
-   dtype conversion runs the byte-copy-only build of the kernel (``any_conversion=False``: 64
-   instead of 114 registers a thread on sm_90, so more of it is resident);
-4. an event recorded after each host-to-device copy guards the pinned slot: it is refilled only after
-   ``event.synchronize()`` (never a device-wide synchronisation); the device staging buffer is reused
-   in stream order (copy i+1 follows kernel i on the side stream) and lives until the load ends;
-5. at the end the destinations' current stream waits for the side stream, and the host waits for
-   an event after the last batch (the earlier ones were waited for already): when the load
-   returns the bytes are on the device, so a consumer on any stream (another compute stream,
-   NCCL's) or the host reads them without a wait of its own, as after stock's load.
-
-At the start the side stream waits for the current stream, so pending work on the destinations (a
-``zero_()`` just before the load, say) is ordered before the copies.
+:mod:`fastdcp.load.pieces` decides what to read; this module gets it onto the device through a
+:class:`~fastdcp.io.staging_pipeline.StagingPipeline` of :data:`SLOTS` pinned slots. Fill (the
+reader thread): a batch read into its slot. Drain: the batch's :class:`~fastdcp.io.boxes.Box`
+descriptors packed behind its data, the slot uploaded with one ``non_blocking`` copy on a side
+stream, then one ``_C.launch_box_copy`` for every box (pieces the kernel cannot take: ``copy_``
+on the side stream); the slot is refilled once the event after its upload has completed. Stream
+order: the side stream first waits for the current one; at the end the current stream waits for
+the side stream and the host for the last batch, so any stream sees the bytes once the load returns.
 """
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
 from .._native import _C
+from ..io.boxes import BOX_BYTES, MAX_BOX_DIMS, Box, box_kinds, pack_boxes
 from ..io.copy_engine import is_standin_device_tensor
 from ..io.phases import span
 from ..io.pinned_pool import PinnedLease, lease_pinned
-from .pieces import MAX_BOX_DIMS, RAW, STAGING_ALIGN, Piece, split_to_budget, staged_read_table
+from ..io.staging_pipeline import Filled, StagingPipeline
+from .pieces import STAGING_ALIGN, Piece, split_to_budget, staged_read_table
+from .placement_stats import PlacementStats
 
-__all__ = ["gpu_placement_available", "pack_boxes", "place_on_gpu", "BOX_BYTES", "SLOTS", "STANDIN"]
+__all__ = ["gpu_placement_available", "place_on_gpu", "SLOTS", "STANDIN"]
 
 # The device key of stand-in device destinations (fastdcp.io.copy_engine).
 STANDIN = "standin"
@@ -55,55 +36,13 @@ STANDIN = "standin"
 # batch being uploaded, so the storage queue never drains at a batch boundary.
 SLOTS = 4
 
-# struct BoxCopy (csrc/box_copy.hpp): src, dst pointers; int32 ndim, src_kind, dst_kind,
-# src_elem_size, dst_elem_size (+4 bytes padding to 8-byte alignment); int64 shape[8],
-# src_stride[8], dst_stride[8]. Little-endian, 232 bytes = 29 int64 slots.
-_BOX_STRUCT = struct.Struct("<QQiiiii4x8q8q8q")
-BOX_BYTES = _BOX_STRUCT.size
-assert BOX_BYTES == 40 + 3 * 8 * MAX_BOX_DIMS == 232
-
-# c10::ScalarType numbers of the kinds the kernel knows (ScalarKind in csrc/box_copy.hpp).
-_KIND = {
-    torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
-    torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex64: 9, torch.complex128: 10,
-    torch.bool: 11, torch.bfloat16: 15,
-}
-# Kinds the kernel converts between (complex only copies to itself).
-_CONVERTIBLE = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                          torch.float16, torch.bfloat16, torch.float32, torch.float64))
-
-BoxTuple = tuple  # (src, dst, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride)
-
 
 def gpu_placement_available() -> bool:
     """True when the extension has the CUDA kernel and torch sees a GPU."""
     return bool(_C.build_info().get("cuda")) and hasattr(_C, "launch_box_copy") and torch.cuda.is_available()
 
 
-def pack_boxes(boxes: list[BoxTuple]) -> bytearray:
-    """Pack box tuples (the format ``Engine.box_copy`` takes) into BoxCopy's exact memory layout.
-    Unused dimension slots are zero."""
-    out = bytearray(len(boxes) * BOX_BYTES)
-    for i, (src, dst, src_kind, dst_kind, src_elem, dst_elem, shape, src_stride, dst_stride) in enumerate(boxes):
-        ndim = len(shape)
-        if ndim > MAX_BOX_DIMS or len(src_stride) != ndim or len(dst_stride) != ndim:
-            raise ValueError(f"box {i}: {ndim} dims (at most {MAX_BOX_DIMS}) or mismatched strides")
-        pad = (0,) * (MAX_BOX_DIMS - ndim)
-        _BOX_STRUCT.pack_into(out, i * BOX_BYTES, src, dst, ndim, src_kind, dst_kind, src_elem, dst_elem,
-                              *shape, *pad, *src_stride, *pad, *dst_stride, *pad)
-    return out
-
-
-def _kinds(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> tuple[int, int] | None:
-    """Kernel kinds for a copy, or None when the kernel cannot do it."""
-    if src_dtype == dst_dtype:
-        return RAW, RAW  # a byte copy of any dtype
-    if src_dtype in _CONVERTIBLE and dst_dtype in _CONVERTIBLE:
-        return _KIND[src_dtype], _KIND[dst_dtype]
-    return None
-
-
-def _kernel_box(piece: Piece, src_address: int) -> BoxTuple | None:
+def _kernel_box(piece: Piece, src_address: int) -> Box | None:
     """The kernel descriptor placing ``piece`` from device memory at ``src_address``, or None when
     the piece must go through ``Tensor.copy_``."""
     dest = piece.dest
@@ -111,11 +50,11 @@ def _kernel_box(piece: Piece, src_address: int) -> BoxTuple | None:
         return None
     if any(s == 0 and n > 1 for s, n in zip(dest.stride(), dest.shape)):
         return None  # overlapping destination: let torch raise its own error
-    kinds = _kinds(piece.src_dtype, dest.dtype)
+    kinds = box_kinds(piece.src_dtype, dest.dtype)
     if kinds is None:
         return None
-    return (src_address, dest.data_ptr(), kinds[0], kinds[1], piece.src_dtype.itemsize, dest.element_size(),
-            piece.shape, piece.src_stride, tuple(dest.stride()))
+    return Box(src_address, dest.data_ptr(), kinds[0], kinds[1], piece.src_dtype.itemsize, dest.element_size(),
+               piece.shape, piece.src_stride, tuple(dest.stride()))
 
 
 def _align(n: int, a: int = STAGING_ALIGN) -> int:
@@ -137,7 +76,7 @@ def _new_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def place_on_gpu(pieces: list[Piece], half_budget: int, request_cost: int, stats: dict,
+def place_on_gpu(pieces: list[Piece], half_budget: int, request_cost: int, stats: PlacementStats,
                  read: Callable[[list[tuple]], None]) -> None:
     """Read and place every piece (CUDA or stand-in device destinations); returns once every copy
     is complete on the device (any stream sees the bytes). ``read`` reads run tables as
@@ -296,7 +235,7 @@ def _standin_engine() -> Any:
 
 
 def _place_on_device(ops: Any, pieces: list[Piece], half_budget: int, request_cost: int,
-                     stats: dict, read: Callable[[list[tuple]], None]) -> None:
+                     stats: PlacementStats, read: Callable[[list[tuple]], None]) -> None:
     # The reader's staging budget (two halves) is cut into SLOTS slots; a batch fills one. A window
     # piece too large for a slot (less room for its descriptor) becomes staged parts read from the file.
     slot_budget = max(2 * STAGING_ALIGN, 2 * half_budget // SLOTS // STAGING_ALIGN * STAGING_ALIGN)
@@ -325,58 +264,28 @@ def _place_on_device(ops: Any, pieces: list[Piece], half_budget: int, request_co
     current, side = ops.streams()
     with span("pin"):
         lease = _new_pinned(largest * slots)
-    try:
-        _run_batches(ops, len(work), batches, slots, largest, lease.tensor[: largest * slots], side, current,
-                     stats, read, request_cost)
-    except BaseException:
-        ops.abort(side)  # no copy may still read the buffer when it goes back to the pool
-        lease.release()
-        raise
-    lease.release()
+    # On an error: no copy may still read the buffer when it goes back to the pool.
+    with StagingPipeline.from_lease(lease, largest, slots, abort=lambda: ops.abort(side)) as pipeline:
+        _run_batches(ops, len(work), batches, pipeline, side, current, stats, read, request_cost)
 
 
-class _Cancelled(Exception):
-    """The load stopped (an error elsewhere): the reader thread reads no further batch."""
-
-
-def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int, pinned: torch.Tensor,
-                 side: Any, current: Any, stats: dict, read: Callable[[list[tuple]], None], request_cost: int) -> None:
-    """Steps 1-5 of the module docstring for ``batches``, through ``pinned`` (``slots`` slots of
-    ``largest`` bytes): a reader thread reads batch k into slot ``k % slots`` as soon as the upload
-    of batch ``k - slots`` from it has completed, while this thread packs, uploads and places the
-    batches read before. Returns once every copy and kernel of the load is complete; on an error,
-    once the reader thread has stopped (no read still writes into ``pinned``)."""
+def _run_batches(ops: Any, pieces: int, batches: list, pipeline: StagingPipeline, side: Any, current: Any,
+                 stats: PlacementStats, read: Callable[[list[tuple]], None], request_cost: int) -> None:
+    """``batches`` through the pipeline's pinned slots (see the module docstring): the reader
+    thread reads batch k into slot ``k % slots`` once the upload of batch ``k - slots`` from it has
+    completed, while this thread packs, uploads and places the batches read before. Returns once
+    every copy and kernel of the load is complete; on an error, once the reader thread has stopped
+    (no read still writes into the slots)."""
+    largest, slots = pipeline.slot_bytes, pipeline.slots
     device_staging = ops.buffer(largest, side)
-    uploaded: list[Any] = [None] * len(batches)
-    recorded = [threading.Event() for _ in batches]  # set once uploaded[k] exists (or the load stops)
-    stopping = threading.Event()
-    stats["gpu_pieces"] = stats.get("gpu_pieces", 0) + pieces
-    stats["gpu_batches"] = stats.get("gpu_batches", 0) + len(batches)
-    stats["gpu_staging_bytes"] = max(stats.get("gpu_staging_bytes", 0), pinned.numel())
-    stats["gpu_slots"] = slots
-    stats.setdefault("gpu_kernel_boxes", 0)
-    stats.setdefault("gpu_fallback_copies", 0)
+    stats.gpu_pieces += pieces
+    stats.gpu_batches += len(batches)
+    stats.gpu_staging_bytes = max(stats.gpu_staging_bytes, largest * slots)
+    stats.gpu_slots = slots
 
-    def read_batch(index: int) -> int:
-        """Fill batch ``index``'s slot (reader thread); returns its data bytes. After a failure
-        (here or in the uploading thread) no further batch is read."""
-        if stopping.is_set():
-            raise _Cancelled()
-        try:
-            return _fill_slot(index)
-        except BaseException:
-            stopping.set()
-            raise
-
-    def _fill_slot(index: int) -> int:
-        if index >= slots:
-            recorded[index - slots].wait()
-            if stopping.is_set():
-                raise _Cancelled()
-            with span("h2d_wait"):
-                uploaded[index - slots].synchronize()  # the previous upload from this slot has finished
-        slot_offset = (index % slots) * largest
-        base = pinned.data_ptr() + slot_offset
+    def fill_slot(index: int, slot: torch.Tensor) -> int:
+        """Read batch ``index`` into ``slot`` (reader thread); returns its data bytes."""
+        base = slot.data_ptr()
         tables = []
         data_bytes = 0
         for piece, offset in batches[index]:
@@ -384,7 +293,7 @@ def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int,
             if piece.mode == "window":
                 assert piece.window_tensor is not None
                 window = piece.window_tensor[piece.window_offset : piece.window_offset + piece.span_nbytes]
-                pinned[slot_offset + offset : slot_offset + offset + piece.span_nbytes].copy_(window)
+                slot[offset : offset + piece.span_nbytes].copy_(window)
             else:
                 tables.append((piece.file, staged_read_table(piece, base + offset, request_cost)))
         if tables:
@@ -392,61 +301,56 @@ def _run_batches(ops: Any, pieces: int, batches: list, slots: int, largest: int,
                 read(tables)
         return data_bytes
 
-    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdcp-gpu-read")
-    try:
-        reads = [reader.submit(read_batch, index) for index in range(len(batches))]
-        for index, batch in enumerate(batches):
-            with span("read_wait"):
-                data_bytes = reads[index].result()
-            slot_offset = (index % slots) * largest
-            base = pinned.data_ptr() + slot_offset
-            device_base = device_staging.data_ptr()
-            boxes: list[BoxTuple] = []
-            fallbacks: list[tuple[Piece, int]] = []
-            for piece, offset in batch:
-                box = _kernel_box(piece, device_base + offset)
-                if box is None:
-                    fallbacks.append((piece, offset))
-                else:
-                    boxes.append(box)
-            table_offset = _align(data_bytes)
-            prefix_offset = table_offset + len(boxes) * BOX_BYTES
-            upload_bytes = prefix_offset + (len(boxes) + 1) * 8
-            total = 0
-            if boxes:
-                packed = pack_boxes(boxes)
-                pinned[slot_offset + table_offset : slot_offset + prefix_offset].copy_(
-                    torch.frombuffer(packed, dtype=torch.uint8))
-                total = _C.prepare_boxes(base + table_offset, len(boxes), base + prefix_offset)
+    def upload_and_place(items: list[Filled]) -> None:
+        ((index, slot, data_bytes),) = items
+        batch = batches[index]
+        base = slot.data_ptr()
+        device_base = device_staging.data_ptr()
+        boxes: list[Box] = []
+        fallbacks: list[tuple[Piece, int]] = []
+        for piece, offset in batch:
+            box = _kernel_box(piece, device_base + offset)
+            if box is None:
+                fallbacks.append((piece, offset))
             else:
-                upload_bytes = data_bytes
+                boxes.append(box)
+        table_offset = _align(data_bytes)
+        prefix_offset = table_offset + len(boxes) * BOX_BYTES
+        upload_bytes = prefix_offset + (len(boxes) + 1) * 8
+        total = 0
+        if boxes:
+            packed = pack_boxes(boxes)
+            slot[table_offset:prefix_offset].copy_(torch.frombuffer(packed, dtype=torch.uint8))
+            total = _C.prepare_boxes(base + table_offset, len(boxes), base + prefix_offset)
+        else:
+            upload_bytes = data_bytes
 
-            with span("h2d_issue"):
-                uploaded[index] = ops.upload(side, device_staging[:upload_bytes],
-                                             pinned[slot_offset : slot_offset + upload_bytes])
-                recorded[index].set()
-                if boxes and total:
-                    ops.launch(side, device_base + table_offset, device_base + prefix_offset, len(boxes), total,
-                               any(b[2] != b[3] for b in boxes))
-                for piece, offset in fallbacks:
-                    raw = device_staging[offset : offset + piece.span_nbytes].view(piece.src_dtype)
-                    ops.fallback_copy(side, piece.dest, raw.as_strided(piece.shape, piece.src_stride,
-                                                                       raw.storage_offset()))
-            stats["gpu_kernel_boxes"] += len(boxes)
-            stats["gpu_fallback_copies"] += len(fallbacks)
-    except BaseException:
-        stopping.set()
-        for event in recorded:
-            event.set()  # a reader waiting for a slot stops instead
-        raise
-    finally:
-        reader.shutdown(wait=True, cancel_futures=True)
+        with span("h2d_issue"):
+            uploaded = ops.upload(side, device_staging[:upload_bytes], slot[:upload_bytes])
+            pipeline.release(index, lambda: _wait_upload(uploaded))  # refilled once the upload completed
+            if boxes and total:
+                ops.launch(side, device_base + table_offset, device_base + prefix_offset, len(boxes), total,
+                           any(b.src_kind != b.dst_kind for b in boxes))
+            for piece, offset in fallbacks:
+                raw = device_staging[offset : offset + piece.span_nbytes].view(piece.src_dtype)
+                ops.fallback_copy(side, piece.dest, raw.as_strided(piece.shape, piece.src_stride,
+                                                                   raw.storage_offset()))
+        stats.gpu_kernel_boxes += len(boxes)
+        stats.gpu_fallback_copies += len(fallbacks)
+
+    pipeline.run(len(batches), fill_slot, upload_and_place, fill_thread="fastdcp-gpu-read",
+                 fill_wait_span="read_wait")
 
     # Ready on any stream: the load returns once its last upload and kernel are complete, so that
     # every stream (another compute stream, NCCL's) and the host see the loaded bytes, as after
     # stock's load, with no wait of their own (docs/GUARANTEES.md). This waits for the last batch;
     # the earlier uploads were waited for by the reader before it refilled their slots. `current`
     # is also ordered after the copies, for work queued on it before this returns. Every copy from
-    # `pinned` has completed then: the caller gives it back to the pool. `device_staging` was
+    # the slots has completed then: the caller gives them back to the pool. `device_staging` was
     # allocated on `side`, so the caching allocator reuses it in stream order.
     ops.finish(current, side)
+
+
+def _wait_upload(uploaded: Any) -> None:
+    with span("h2d_wait"):
+        uploaded.synchronize()  # the previous upload from this slot has finished

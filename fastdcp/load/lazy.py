@@ -498,7 +498,7 @@ class LazyCheckpoint(Mapping):
             placements.append(plan_placement(item, si, blob, dest, files[si.relative_path], file_windows))
         if placements:
             stats = run_placements(self._engine, placements, _CollectingPlanner(), self.io_options, self._direct)
-            self.bytes_read += int(stats["bytes_read"])
+            self.bytes_read += stats.bytes_read
         return fallback
 
     def _blob(self, item: ReadItem, si: _StorageInfo, file: _C.File, file_windows: list) -> TensorBlobInfo | BlobFormatError:

@@ -38,17 +38,10 @@ __all__ = [
     "split_to_budget",
     "staged_read_table",
     "direct_run_table",
-    "RAW",
-    "MAX_BOX_DIMS",
     "STAGING_ALIGN",
     "REQUEST_COST_BYTES",
     "REQUEST_COST_BYTES_DIRECT",
 ]
-
-# Raw elements for the native box copy (csrc/box_copy.hpp ScalarKind::kRawBytes): a byte copy.
-RAW = -1
-
-MAX_BOX_DIMS = 8
 
 STAGING_ALIGN = 64
 

@@ -2,29 +2,30 @@
 
 Pieces read straight into their destination go out as one batch of run tables. The others are
 read into staging memory: one buffer of at most ``IoOptions.read_buffer_limit_bytes``, reused for the
-whole load as two halves, so the next batch is read into one half while the previous one is
-placed from the other (a piece larger than a half is split along its outer dimensions first) by
-the native batched box copy. Pieces whose destination is a GPU tensor go to
-:mod:`fastdcp.load.gpu_placement`. Every item is committed to the planner at the end.
+whole load as two halves (a :class:`~fastdcp.io.staging_pipeline.StagingPipeline` of two slots), so
+the next batch is read into one half while the previous one is placed from the other (a piece
+larger than a half is split along its outer dimensions first) by the native batched box copy.
+Pieces whose destination is a GPU tensor go to :mod:`fastdcp.load.gpu_placement`. Every item is
+committed to the planner at the end.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from .._native import _C
+from ..io.boxes import MAX_BOX_DIMS, RAW, Box
 from ..io.engine import IoOptions
 from ..io.copy_engine import is_standin_device_tensor
 from ..io.cuda_build import warn_if_slow_gpu_path
+from ..io.staging_pipeline import Filled, StagingPipeline
 from . import gpu_placement
+from .placement_stats import PlacementStats
 from .pieces import (
-    MAX_BOX_DIMS,
-    RAW,
     REQUEST_COST_BYTES,
     REQUEST_COST_BYTES_DIRECT,
     STAGING_ALIGN,
@@ -38,7 +39,7 @@ from .pieces import (
 __all__ = ["run_placements"]
 
 
-def _copy_box(boxes: list[tuple], piece: Piece, src_address: int, src_holder: torch.Tensor, src_offset: int) -> None:
+def _copy_box(boxes: list[Box], piece: Piece, src_address: int, src_holder: torch.Tensor, src_offset: int) -> None:
     """Queue a native box copy (same dtype, CPU destination), or copy now with ``Tensor.copy_``.
 
     Dtype conversions use torch's own ``copy_``, exactly what the stock reader does: torch's
@@ -54,7 +55,7 @@ def _copy_box(boxes: list[tuple], piece: Piece, src_address: int, src_holder: to
     )
     if native:
         size = piece.src_dtype.itemsize
-        boxes.append((src_address, dest.data_ptr(), RAW, RAW, size, size, piece.shape, piece.src_stride, dest.stride()))
+        boxes.append(Box(src_address, dest.data_ptr(), RAW, RAW, size, size, piece.shape, piece.src_stride, dest.stride()))
         return
     raw = src_holder[src_offset : src_offset + piece.span_nbytes]
     if src_address % piece.src_dtype.itemsize:
@@ -64,32 +65,28 @@ def _copy_box(boxes: list[tuple], piece: Piece, src_address: int, src_holder: to
 
 
 def run_placements(engine: "_C.Engine", placements: list[Placement], planner: LoadPlanner,
-                   options: IoOptions, direct: bool) -> dict[str, float]:
+                   options: IoOptions, direct: bool) -> PlacementStats:
     """Read and place every piece, then commit every item. Returns counters for benchmarks:
     bytes needed vs. read, requests issued, staging use, and seconds per phase."""
-    stats: dict[str, float] = {
-        "bytes_needed": 0, "bytes_read": 0, "requests": 0, "window_pieces": 0, "runs_pieces": 0,
-        "staged_pieces": 0, "staging_batches": 0, "max_staging_bytes": 0, "read_seconds": 0.0,
-        "place_seconds": 0.0,
-    }
+    stats = PlacementStats()
     request_cost = REQUEST_COST_BYTES_DIRECT if direct else REQUEST_COST_BYTES
     half_budget = max(STAGING_ALIGN, options.read_buffer_limit_bytes // 2 // STAGING_ALIGN * STAGING_ALIGN)
 
     def read(tables: list[tuple]) -> None:
         started = time.perf_counter()
         engine.read_runs([(f, t.data_ptr(), t.shape[0]) for f, t in tables], direct)
-        stats["read_seconds"] += time.perf_counter() - started
+        stats.read_seconds += time.perf_counter() - started
         for _, t in tables:
-            stats["requests"] += t.shape[0]
-            stats["bytes_read"] += int(t[:, 2].sum())
+            stats.requests += t.shape[0]
+            stats.bytes_read += int(t[:, 2].sum())
 
-    def place(boxes: list[tuple]) -> None:
+    def place(boxes: list[Box]) -> None:
         if boxes:
             started = time.perf_counter()
             engine.box_copy(boxes)
-            stats["place_seconds"] += time.perf_counter() - started
+            stats.place_seconds += time.perf_counter() - started
 
-    boxes: list[tuple] = []
+    boxes: list[Box] = []
     run_tables: list[tuple] = []
     staged: list[Piece] = []
     # --- Device destinations (fastdcp/load/gpu_placement.py): pieces for CUDA tensors are collected
@@ -109,17 +106,17 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
     # --- end device destinations
     for placement in placements:
         for piece in placement.pieces:
-            stats["bytes_needed"] += math.prod(piece.shape) * piece.src_dtype.itemsize
+            stats.bytes_needed += math.prod(piece.shape) * piece.src_dtype.itemsize
             if on_device(piece.dest):  # device destinations
-                stats["window_pieces"] += int(piece.mode == "window")
+                stats.window_pieces += int(piece.mode == "window")
                 gpu_pieces.append(piece)
             elif piece.mode == "window":
-                stats["window_pieces"] += 1
+                stats.window_pieces += 1
                 assert piece.window_tensor is not None
                 _copy_box(boxes, piece, piece.window_tensor.data_ptr() + piece.window_offset,
                           piece.window_tensor, piece.window_offset)
             elif piece.mode == "runs":
-                stats["runs_pieces"] += 1
+                stats.runs_pieces += 1
                 run_tables.append((piece.file, direct_run_table(piece)))
             else:
                 staged.extend(split_to_budget(piece, half_budget))
@@ -139,9 +136,10 @@ def run_placements(engine: "_C.Engine", placements: list[Placement], planner: Lo
     return stats
 
 
-def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats: dict, read, place) -> None:
-    """Stream staged pieces through a two-half staging buffer: batch i+1 is read (engine threads,
-    GIL released) while batch i is placed."""
+def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats: PlacementStats, read,
+                place) -> None:
+    """Stream staged pieces through a two-half staging buffer (``fastdcp.io.staging_pipeline``):
+    batch i+1 is read (reader thread, GIL released) while batch i is placed."""
     staged.sort(key=lambda p: (p.file.path, p.span_start))
     batches: list[list[tuple[Piece, int]]] = [[]]
     used = 0
@@ -155,26 +153,20 @@ def _run_staged(staged: list[Piece], half_budget: int, request_cost: int, stats:
     largest = max(sum(-(-p.span_nbytes // STAGING_ALIGN) * STAGING_ALIGN for p, _ in b) for b in batches)
     halves = 2 if len(batches) > 1 else 1
     staging = torch.empty(largest * halves, dtype=torch.uint8)
-    stats["staging_batches"] = len(batches)
-    stats["max_staging_bytes"] = staging.numel()
-    stats["staged_pieces"] = len(staged)
+    stats.staging_batches = len(batches)
+    stats.max_staging_bytes = staging.numel()
+    stats.staged_pieces = len(staged)
 
-    def read_batch(index: int) -> None:
-        base = staging.data_ptr() + (index % halves) * largest
+    def read_batch(index: int, half: torch.Tensor) -> None:
+        base = half.data_ptr()
         read([(p.file, staged_read_table(p, base + off, request_cost)) for p, off in batches[index]])
 
-    def place_batch(index: int) -> None:
-        half_offset = (index % halves) * largest
-        copies: list[tuple] = []
+    def place_batch(items: list[Filled]) -> None:
+        ((index, half, _),) = items
+        half_offset = half.data_ptr() - staging.data_ptr()
+        copies: list[Box] = []
         for p, off in batches[index]:
-            _copy_box(copies, p, staging.data_ptr() + half_offset + off, staging, half_offset + off)
+            _copy_box(copies, p, half.data_ptr() + off, staging, half_offset + off)
         place(copies)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdcp-read") as reader:
-        pending = reader.submit(read_batch, 0)
-        for index in range(len(batches)):
-            pending.result()
-            if index + 1 < len(batches):
-                # The other half is free: its batch was placed in the previous iteration.
-                pending = reader.submit(read_batch, index + 1)
-            place_batch(index)
+    StagingPipeline(largest, halves, staging).run(len(batches), read_batch, place_batch, fill_thread="fastdcp-read")

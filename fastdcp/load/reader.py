@@ -404,9 +404,10 @@ class FastFileSystemReader(FileSystemReader):
                     target = planner.resolve_tensor(item).detach()
                     placements.append(plan_placement(item, info, blob, target, file, file_windows))
             plan_seconds = time.perf_counter() - started
-            self.last_stats = run_placements(engine, placements, planner, self.io_options, self._direct)
+            placed = run_placements(engine, placements, planner, self.io_options, self._direct)
+            self.last_stats = placed.as_dict()
             read_seconds = time.perf_counter() - read_started
-            read_bytes = sum(len(w.data) for ws in windows.values() for w in ws) + int(self.last_stats["bytes_read"])
+            read_bytes = sum(len(w.data) for ws in windows.values() for w in ws) + placed.bytes_read
             # O_DIRECT granted: every file kept it (a refusal falls back per file, at open or at
             # the first read), as the writer judges its own files.
             if mode is not None:

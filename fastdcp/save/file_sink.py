@@ -19,10 +19,11 @@ from ..io.copy_engine import DeviceCopier
 from ..io.engine import DIRECT_ALIGN, IoOptions, get_engine
 from ..io.phases import span
 from ..io.pinned_pool import lease_pinned
+from ..io.staging_pipeline import StagingPipeline
 from ..io.write_mode import record_write, write_mode_for
 from .commit import claim_token
 from .crash_points import crash_point
-from .device_ring import DeviceRing, cut_ranges, write_device_images
+from .device_ring import cut_ranges, write_device_images
 from .file_image import FilePlan
 from .options import RING_SLOTS
 
@@ -166,6 +167,5 @@ class LocalFileSink:
                                                                     slot_bytes)]
         with span("pin"):
             lease = lease_pinned(slot_bytes * slots)
-        with lease:
-            ring = DeviceRing(slot_bytes, slots, lease.tensor)
+        with StagingPipeline.from_lease(lease, slot_bytes, slots) as ring:
             write_device_images(engine, handles, ranges, ring, make_copier(), batch=batch, writes_in_flight=in_flight)

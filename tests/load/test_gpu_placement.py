@@ -2,12 +2,12 @@
 
 Three layers:
 
-* CPU, always run: the descriptor packing against a ctypes mirror of ``struct BoxCopy``
-  (csrc/box_copy.hpp), ``_C.prepare_boxes`` (validate + simplify + prefix) on packed tables, and the
-  kinds/strides of the descriptors checked by running them through the CPU box copy.
-* CPU, always run: the whole GPU pipeline (batching, pinned halves, descriptor tables and prefix
+* CPU, always run: the kinds/strides of the kernel descriptors checked by running them through the
+  CPU box copy (their packed layout: ``tests/io/test_boxes.py``).
+* CPU, always run: the whole GPU pipeline (batching, pinned slots, descriptor tables and prefix
   behind the data, fallbacks, stream/event calls) with the CUDA pieces replaced by CPU fakes: the
-  fake kernel decodes the uploaded table with ctypes and executes it with the CPU box copy.
+  fake kernel decodes the uploaded table (``fastdcp.io.boxes.unpack_boxes``) and executes it with
+  the CPU box copy.
 * GPU, skipped without CUDA: real loads into CUDA tensors, bit-exact against CPU references.
 """
 
@@ -27,8 +27,8 @@ import fastdcp
 import fastdcp.load.gpu_placement as G
 import fastdcp.load.reader as reader_module
 from fastdcp import FastFileSystemReader, _C
-
-MAX_DIMS = 8
+from fastdcp.io.boxes import BOX_BYTES, Box, unpack_boxes
+from fastdcp.load.placement_stats import PlacementStats
 
 _skip_without_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and fastdcp.build_info().get("cuda")),
@@ -41,106 +41,14 @@ def needs_cuda(test):
     return pytest.mark.cuda(_skip_without_cuda(test))
 
 
-class BoxCopyC(ctypes.Structure):
-    """ctypes mirror of fastdcp::BoxCopy (csrc/box_copy.hpp)."""
-
-    _fields_ = [
-        ("src", ctypes.c_uint64),
-        ("dst", ctypes.c_uint64),
-        ("ndim", ctypes.c_int32),
-        ("src_kind", ctypes.c_int32),
-        ("dst_kind", ctypes.c_int32),
-        ("src_elem_size", ctypes.c_int32),
-        ("dst_elem_size", ctypes.c_int32),
-        ("shape", ctypes.c_int64 * MAX_DIMS),
-        ("src_stride", ctypes.c_int64 * MAX_DIMS),
-        ("dst_stride", ctypes.c_int64 * MAX_DIMS),
-    ]
-
-
-def _as_tuple(box: BoxCopyC) -> tuple:
-    n = box.ndim
-    return (box.src, box.dst, box.src_kind, box.dst_kind, box.src_elem_size, box.dst_elem_size,
-            tuple(box.shape[:n]), tuple(box.src_stride[:n]), tuple(box.dst_stride[:n]))
+def _unpack_at(address: int, num_boxes: int) -> list[Box]:
+    """The packed descriptors at ``address`` (what the kernel reads), decoded."""
+    return unpack_boxes(ctypes.string_at(address, num_boxes * BOX_BYTES), num_boxes)
 
 
 # --------------------------------------------------------------------------------------------- #
-# descriptor layout
+# kernel descriptors (the layout itself: tests/io/test_boxes.py)
 # --------------------------------------------------------------------------------------------- #
-def test_layout_matches_the_native_struct():
-    assert ctypes.sizeof(BoxCopyC) == G.BOX_BYTES == _C.box_copy_size() == 232
-    assert BoxCopyC.ndim.offset == 16 and BoxCopyC.dst_elem_size.offset == 32
-    assert BoxCopyC.shape.offset == 40 and BoxCopyC.src_stride.offset == 104 and BoxCopyC.dst_stride.offset == 168
-
-
-def test_pack_boxes_matches_ctypes_mirror():
-    boxes = [
-        (0x7F00_1234_5678_9ABC, 0xFFFF_FFFF_FFFF_FFF0, -1, -1, 2, 2, (), (), ()),
-        (64, 128, 6, 15, 4, 2, (5,), (3,), (1,)),
-        (1 << 40, (1 << 40) + 4096, 4, 3, 8, 4, (2, 3, 4), (12, 4, 1), (1, 2, 6)),
-        (1, 2, -1, -1, 16, 16, tuple(range(1, 9)), tuple(range(10, 18)), tuple(range(20, 28))),
-    ]
-    packed = G.pack_boxes(boxes)
-    assert len(packed) == len(boxes) * 232
-    for i, box in enumerate(boxes):
-        mirror = BoxCopyC.from_buffer_copy(bytes(packed[i * 232 : (i + 1) * 232]))
-        assert _as_tuple(mirror) == box
-        n = len(box[6])
-        assert list(mirror.shape[n:]) == [0] * (MAX_DIMS - n)
-        assert list(mirror.src_stride[n:]) == [0] * (MAX_DIMS - n)
-        assert list(mirror.dst_stride[n:]) == [0] * (MAX_DIMS - n)
-    # the padding after dst_elem_size is zero
-    assert bytes(packed[36:40]) == b"\0\0\0\0"
-    with pytest.raises(ValueError):
-        G.pack_boxes([(1, 2, -1, -1, 4, 4, tuple([1] * 9), tuple([1] * 9), tuple([1] * 9))])
-    with pytest.raises(ValueError):
-        G.pack_boxes([(1, 2, -1, -1, 4, 4, (2, 3), (3,), (3, 1))])
-
-
-def _packed_table(boxes: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-    table = torch.frombuffer(G.pack_boxes(boxes), dtype=torch.int64).clone()  # 8-byte aligned
-    prefix = torch.full((len(boxes) + 1,), -7, dtype=torch.int64)
-    return table, prefix
-
-
-def test_prepare_boxes_simplifies_in_place_and_writes_prefix():
-    boxes = [
-        (4096, 8192, -1, -1, 4, 4, (2, 3, 4), (12, 4, 1), (12, 4, 1)),  # contiguous: becomes 1-D
-        (4096, 8192, 6, 15, 4, 2, (1, 5, 1), (5, 1, 1), (50, 10, 1)),  # size-1 dims dropped
-        (4096, 8192, -1, -1, 2, 2, (), (), ()),  # 0-d: one element
-        (4096, 8192, -1, -1, 2, 2, (3, 0), (1, 1), (1, 1)),  # empty
-        (4096, 8192, -1, -1, 1, 1, (4, 6), (1, 4), (6, 1)),  # transpose stays 2-D
-    ]
-    table, prefix = _packed_table(boxes)
-    total = _C.prepare_boxes(table.data_ptr(), len(boxes), prefix.data_ptr())
-    assert total == 24 + 5 + 1 + 0 + 24
-    assert prefix.tolist() == [0, 24, 29, 30, 30, 54]
-    raw = bytes(table.numpy().tobytes())
-    got = [_as_tuple(BoxCopyC.from_buffer_copy(raw[i * 232 : (i + 1) * 232])) for i in range(len(boxes))]
-    assert got[0][6:] == ((24,), (1,), (1,))
-    assert got[1][2:] == (6, 15, 4, 2, (5,), (1,), (10,))
-    assert got[2][6:] == ((1,), (1,), (1,))
-    assert got[3][6] == (0,)
-    assert got[4][6:] == ((4, 6), (1, 4), (6, 1))
-    assert all(g[:2] == (4096, 8192) for g in got)
-
-
-@pytest.mark.parametrize(
-    "bad, message",
-    [
-        ((1, 2, -1, -1, 4, 4, (3,), (1,), (0,)), "destination stride 0"),
-        ((1, 2, 9, 6, 8, 4, (3,), (1,), (1,)), "unsupported kinds"),
-        ((1, 2, 6, 15, 4, 4, (3,), (1,), (1,)), "element size"),
-        ((0, 2, -1, -1, 4, 4, (3,), (1,), (1,)), "null pointer"),
-    ],
-)
-def test_prepare_boxes_rejects_invalid_descriptors(bad, message):
-    good = (1, 2, -1, -1, 4, 4, (3,), (1,), (1,))
-    table, prefix = _packed_table([good, bad])
-    with pytest.raises(ValueError, match=f"box 1: .*{message}"):
-        _C.prepare_boxes(table.data_ptr(), 2, prefix.data_ptr())
-
-
 _CONVERTIBLE = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                 torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -250,11 +158,10 @@ class _FakeCuda:
         assert stream == 0xC0DE
         dev = self.device[-1]
         lo, hi = dev.data_ptr(), dev.data_ptr() + dev.numel()
-        assert lo <= d_boxes and d_boxes + num_boxes * 232 <= d_prefix and d_prefix + (num_boxes + 1) * 8 <= hi
+        assert lo <= d_boxes and d_boxes + num_boxes * BOX_BYTES <= d_prefix and d_prefix + (num_boxes + 1) * 8 <= hi
         assert d_boxes % 8 == 0 and d_prefix % 8 == 0
-        boxes = (BoxCopyC * num_boxes).from_address(d_boxes)
+        tuples = _unpack_at(d_boxes, num_boxes)
         prefix = list((ctypes.c_int64 * (num_boxes + 1)).from_address(d_prefix))
-        tuples = [_as_tuple(b) for b in boxes]
         count = 0
         assert prefix[0] == 0
         for i, box in enumerate(tuples):
@@ -284,13 +191,13 @@ class _FakeCuda:
                                                            launch_box_copy=self.launch_box_copy))
 
         def run_everything_as_gpu(engine, placements, planner, options, direct):
-            stats = {"bytes_read": 0, "requests": 0}
+            stats = PlacementStats()
 
             def read(tables):
                 engine.read_runs([(f, t.data_ptr(), t.shape[0]) for f, t in tables], direct)
                 for _, t in tables:
-                    stats["requests"] += t.shape[0]
-                    stats["bytes_read"] += int(t[:, 2].sum())
+                    stats.requests += t.shape[0]
+                    stats.bytes_read += int(t[:, 2].sum())
 
             half = max(64, options.read_buffer_limit_bytes // 2 // 64 * 64)
             pieces = [p for pl in placements for p in pl.pieces]

@@ -104,3 +104,19 @@ def test_checkpoint_larger_than_budget(tmp_path):
         C.assert_tensor_bitexact(dest[k], v.double(), k)
     assert reader.last_stats["staging_batches"] > 1
     assert reader.last_stats["max_staging_bytes"] <= budget
+
+
+def test_last_stats_carry_every_placement_counter(tmp_path):
+    """``last_stats`` is the run's ``PlacementStats`` as a dict (plus the reader's own counters)."""
+    import dataclasses
+
+    from fastdcp.load.placement_stats import PlacementStats
+
+    saved = {"w": torch.randn(64, 64)}
+    C.save(saved, C.make_writer("fast", tmp_path))
+    reader = FastFileSystemReader(tmp_path)
+    dcp.load({"w": torch.zeros(64, 64, dtype=torch.float64)}, storage_reader=reader, no_dist=True)
+    for field in dataclasses.fields(PlacementStats):
+        assert isinstance(reader.last_stats[field.name], int if field.type == "int" else float), field.name
+    assert reader.last_stats["bytes_needed"] == 64 * 64 * 4 and reader.last_stats["gpu_batches"] == 0
+    assert {"plan_seconds", "blobs_recognised"} <= set(reader.last_stats)

@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 import dcp_cases as C
 from stand_in_copier import DeferredCopier, cpu_as_device  # noqa: F401 - a fixture
 from fastdcp import FastFileSystemWriter, _C
-from fastdcp.save.device_ring import DeviceRing, cut_ranges, interleave, write_device_images
+from fastdcp.io.staging_pipeline import StagingPipeline
+from fastdcp.save.device_ring import cut_ranges, interleave, write_device_images
 from fastdcp.save.file_sink import ring_shape
 from fastdcp.io.engine import DIRECT_ALIGN, IoOptions, get_engine
 from fastdcp.io.pinned_pool import pinned_pool_stats, reset_pinned_pool
@@ -76,8 +77,8 @@ def test_cut_ranges_partition_the_image(seed):
     assert bytes(rebuilt) == _image(size, segments, device)
 
 
-def _ring(slot_bytes: int, slots: int) -> DeviceRing:
-    return DeviceRing(slot_bytes, slots, torch.empty(slot_bytes * slots, dtype=torch.uint8))
+def _ring(slot_bytes: int, slots: int) -> StagingPipeline:
+    return StagingPipeline(slot_bytes, slots, torch.empty(slot_bytes * slots, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("direct", [False, True])
@@ -202,15 +203,17 @@ def test_a_failed_write_is_raised_after_every_lane_stopped(tmp_path, in_flight):
     engine = _FailingEngine(get_engine(IoOptions.resolve(direct_io=False, default_direct_io=False, io_threads=4,
                                                          task_bytes=None)), fail_at=3)
     handles = [_C.File(str(tmp_path / f"image{i}"), "w", False) for i in range(3)]
+    copier = DeferredCopier()
     try:
         ranges = [job for i, (segments, device, size) in enumerate(images)
                   for job in cut_ranges(i, size, segments, device, ring.slot_bytes)]
         with pytest.raises(OSError, match="injected"):
-            write_device_images(engine, handles, ranges, ring, DeferredCopier(), batch=3, writes_in_flight=in_flight)
+            write_device_images(engine, handles, ranges, ring, copier, batch=3, writes_in_flight=in_flight)
     finally:
         for handle in handles:
             handle.close()
     assert engine.active == 0, "a write lane still ran after the error was raised"
+    assert copier.tokens > 0 and not copier.pending, "a copy issued ahead may still land in the ring's memory"
     assert engine.most == in_flight
     assert not [t for t in threading.enumerate() if t.name.startswith("fastdcp-ring-write")]
 
@@ -308,7 +311,7 @@ def test_direct_ranges_are_written_from_their_slots_without_bounce_copies(tmp_pa
     from fastdcp.io.host_memory import allocate_slab
 
     # page-aligned memory, as the pinned pool's (torch.empty is only 64-byte aligned)
-    ring = DeviceRing(DIRECT_ALIGN * 8, 4, allocate_slab(DIRECT_ALIGN * 32, pin=False).tensor)
+    ring = StagingPipeline(DIRECT_ALIGN * 8, 4, allocate_slab(DIRECT_ALIGN * 32, pin=False).tensor)
     # slots hold stale bytes from an earlier use: gaps must come out zero anyway
     ring.memory.fill_(0xAB)
     engine = _C.Engine(2, DIRECT_ALIGN * 4)
