@@ -8,7 +8,7 @@ the metadata (tensor blobs are :mod:`fastdcp.format.blob`'s job; the files thems
 * :func:`parse_metadata` unpickles with an allow-list of exactly what stock DCP writes (the
   ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, dtypes, layouts, the
   memory-format enum, ``pathlib`` paths, plain containers), after a scan of the opcode stream
-  (both :mod:`fastdcp.format.pickles`'s, under this format's rules)
+  (scan and unpickler are :mod:`fastdcp.format.pickles`'s, with this module's rules and allow-list)
   that refuses memory bombs (memo indices and declared lengths larger than the file) and opcodes
   a metadata pickle never needs (persistent ids, extension codes, out-of-band buffers). Nothing
   outside the objects the load itself creates can be modified: allow-listed functions and the
